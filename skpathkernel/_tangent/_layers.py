@@ -1,5 +1,6 @@
 """The built-in rules: Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, Embedding, LayerNorm,
-RMSNorm, GroupNorm, BatchNorm (eval), MultiheadAttention, PReLU.
+RMSNorm, GroupNorm, BatchNorm (eval), MultiheadAttention, PReLU; LSTM, GRU and RNN (from
+:mod:`._recurrent`).
 
 Each is one small pure function from what the capture saw (:class:`._rules.Use`) and the
 backprops to :class:`._rules.Term` objects, registered by exact type. Every number a rule
@@ -19,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ._contract import dense_grad
+from ._recurrent import GRU, LSTM, RNN
 from ._rules import Rule, Term, Use, register_rule
 
 __all__: list[str] = []
@@ -766,7 +768,7 @@ for _type, _rule in [(nn.Linear, LINEAR), (nn.Conv1d, CONV1D), (nn.Conv2d, CONV2
                      (nn.RMSNorm, RMS_NORM),
                      (nn.GroupNorm, GROUP_NORM), (nn.BatchNorm1d, BATCH_NORM),
                      (nn.BatchNorm2d, BATCH_NORM), (nn.MultiheadAttention, MULTIHEAD_ATTENTION),
-                     (nn.PReLU, PRELU),
+                     (nn.PReLU, PRELU), (nn.LSTM, LSTM), (nn.GRU, GRU), (nn.RNN, RNN),
                      # MultiheadAttention's out_proj type, whose forward is nn.Linear's own.
                      (nn.modules.linear.NonDynamicallyQuantizableLinear, LINEAR)]:
     register_rule(_type, _rule)

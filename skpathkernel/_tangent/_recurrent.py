@@ -95,10 +95,13 @@ def _expand(layer, func, args, kwargs):
             h, c = h0[k * n_dir + d], None if c0 is None else c0[k * n_dir + d]
             order = range(T - 1, -1, -1) if d else range(T)
             hs, prev = [None] * T, [None] * T
+            # The steps as one unbind, not T selections: each select's backward writes a
+            # zero tensor the size of all the steps (T^2 traffic, 4.4 of a 6.7 s diagonal).
+            gis = zi.unbind(1)
+            probes = [None] * T if probe is None else probe.unbind(1)
             for t in order:
                 prev[t] = h
-                h, c = _step(mode, zi[:, t], h, c, w_hh, b_hh,
-                             None if probe is None else probe[:, t])
+                h, c = _step(mode, gis[t], h, c, w_hh, b_hh, probes[t])
                 hs[t] = h
             a_h = torch.stack(prev, dim=1)
             if probe is None:

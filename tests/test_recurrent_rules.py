@@ -155,3 +155,51 @@ def test_dropout_between_layers_declines_in_training_only():
     assert _expand(net.rnn, torch.lstm, call, {}) is None
     call = (*call[:6], False, *call[7:])
     assert _expand(net.rnn, torch.lstm, call, {}) is not None
+
+
+class _Seq2Seq(nn.Module):
+    """An encoder whose initial state is computed from the input, its final ``(h_n, c_n)``
+    (both directions, both layers, the cell state too) read into the output, and a decoder
+    fed back its own prediction one step at a time (the same module called per step)."""
+
+    def __init__(self, cell, batch_first):
+        super().__init__()
+        self.enc = CELLS[cell](E, H, num_layers=2, bidirectional=True, batch_first=batch_first)
+        self.dec = CELLS[cell](E, H, num_layers=2, batch_first=batch_first)
+        self.state = nn.Linear(E, 4 * H)
+        self.proj = nn.Linear(H, E)
+        self.head = nn.Linear(8 * H + E, 2)
+
+    def forward(self, x):
+        bf = self.enc.batch_first
+        h0 = torch.tanh(self.state(x[:, 0])).unflatten(1, (4, H)).transpose(0, 1)
+        hx = (h0, torch.sin(h0)) if isinstance(self.enc, nn.LSTM) else h0.contiguous()
+        _, state = self.enc(x if bf else x.transpose(0, 1), hx)
+        parts = state if isinstance(state, tuple) else (state,)
+        read = torch.cat([s.transpose(0, 1).flatten(1) for s in parts], 1)
+        if len(parts) == 1:
+            read = torch.cat([read, read], 1)
+        # The decoder starts from the encoder's forward-direction states of both layers.
+        hx = tuple(s[0::2] for s in parts) if len(parts) == 2 else parts[0][0::2]
+        y = x[:, -1:] if bf else x[:, -1:].transpose(0, 1)
+        for _ in range(3):
+            o, hx = self.dec(y, hx)
+            y = torch.tanh(self.proj(o if bf else o.transpose(0, 1)))
+            y = y if bf else y.transpose(0, 1)
+        return self.head(torch.cat([read, y.reshape(x.shape[0], E)], 1))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("cell", sorted(CELLS))
+def test_initial_states_final_states_and_decoder_loop_match_loop(cell, batch_first):
+    # Initial states computed from the input, h_n and c_n read (the cell state's
+    # gradient), a decoder called once per step: against the plain per-sample loop.
+    torch.manual_seed(0)
+    net = _Seq2Seq(cell, batch_first).double().eval()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    X = torch.randn(5, S, E, dtype=torch.float64)
+    J = jacobian_loop(net, X)
+    assert check_rule(net, X, rtol=1e-10) <= 1e-10
+    _close(tangent_gram(net, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+    routes = {r.name: r.route for r in layer_routes(net, X)}
+    assert routes["enc"] == routes["dec"] == "rule", routes

@@ -31,6 +31,7 @@ from ._rules import Rule, Term
 
 __all__ = ["GRU", "LSTM", "RNN"]
 
+
 def _cells(layer: nn.Module, params: list) -> list[tuple[list[str], list[torch.Tensor]]]:
     """The local names and tensors of each (layer, direction) of the call's flat weights,
     in torch's order: ``w_ih, w_hh[, b_ih, b_hh]`` per layer, the reverse direction
@@ -83,10 +84,11 @@ def _expand(layer, func, args, kwargs):
     n, T = seq.shape[:2]
     n_dir = 2 if bidirectional else 1
     sites, h_n, c_n = [], [], []
+    cells = _cells(layer, params)
     for k in range(num_layers):
         outs = []
         for d in range(n_dir):
-            names, ws = _cells(layer, params)[k * n_dir + d]
+            _, ws = cells[k * n_dir + d]
             w_ih, w_hh, b_ih, b_hh = (*ws, None, None)[:4]
             zi = F.linear(seq, w_ih, b_ih)
             probe = None

@@ -12,6 +12,8 @@ CUDA (tests/test_recurrent_cudnn.py checks the switch itself on the CPU); run on
 with ``bash benchmarks/device_check.sh``.
 """
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -24,7 +26,7 @@ from test_cuda import (
 )
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine
-from skpathkernel.rules import FallbackWarning, check_rule
+from skpathkernel.rules import FallbackWarning, check_rule, layer_routes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -59,9 +61,12 @@ def _build(cell, **kw):
 
 def _fit_pair(make, X, y):
     # fit's check of the tangent routes runs the module in eval mode with a backward: on
-    # the GPU too it names the recurrent layer's fallback (it swallowed cuDNN's error).
-    with pytest.warns(FallbackWarning, match="rnn"):
+    # the GPU too the recurrent layer is on its rule (a Python recurrence, no cuDNN), so
+    # no FallbackWarning (it once named the layer's fallback, swallowing cuDNN's error).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
         gpu = make("cuda").fit(X, y)
+    assert {r.route for r in layer_routes(gpu.module_, X[:4]) if r.name == "rnn"} == {"rule"}
     cpu = make("cpu").fit(X, y)
     assert next(gpu.module_.parameters()).is_cuda
     return gpu, cpu

@@ -157,6 +157,41 @@ class _RMSVectors(nn.Module):
         return self.head(self.norm(h.flatten(1)))
 
 
+class _Recurrent(nn.Module):
+    """A recurrent layer as a user calls it: token ids through an embedding (padding id 0,
+    the padded steps masked out of a mean over time) or float sequences; sequence-first
+    layers get the transposed batch; ``pool`` the last output step, the last layer's
+    final hidden state, or the masked mean over time; ``state``: an initial hidden (and
+    cell) state computed from the input by a Linear, differentiated through."""
+
+    def __init__(self, rnn, pool="last", vocab=None, state=False):
+        super().__init__()
+        self.rnn, self.pool = rnn, pool
+        self.emb = None if vocab is None else nn.Embedding(vocab, rnn.input_size, padding_idx=0)
+        layers = rnn.num_layers * (2 if rnn.bidirectional else 1)
+        self.state = nn.Linear(rnn.input_size, layers * rnn.hidden_size) if state else None
+
+    def forward(self, x):
+        mask = None
+        if self.emb is not None:
+            mask = (x != 0).unsqueeze(-1)
+            x = self.emb(x)
+        hx = None
+        if self.state is not None:
+            h0 = torch.tanh(self.state(x.mean(1))).unflatten(1, (-1, self.rnn.hidden_size))
+            h0 = h0.transpose(0, 1).contiguous()
+            hx = (h0, 0.5 * h0) if isinstance(self.rnn, nn.LSTM) else h0
+        seq = x if self.rnn.batch_first else x.transpose(0, 1)
+        out, h = self.rnn(seq, hx)
+        out = out if self.rnn.batch_first else out.transpose(0, 1)
+        if self.pool == "hidden":
+            return (h[0] if isinstance(h, tuple) else h)[-1]
+        if self.pool == "mean":
+            mask = torch.ones_like(out[..., :1]) if mask is None else mask.to(out.dtype)
+            return (out * mask).sum(1) / mask.sum(1).clamp_min(1)
+        return out[:, -1]
+
+
 def _bn_eval(bn):
     """BatchNorm with random running statistics, in eval mode."""
     with torch.no_grad():
@@ -271,6 +306,26 @@ CASES = {
     "prelu_sequence": (lambda c: _Head(nn.Sequential(nn.Linear(3, 4), nn.PReLU()), 5 * 4, c),
                        _image((5, 3))),
     "transformer": (lambda c: _Tokens(c), _ids(5)),
+    "lstm": (lambda c: _Head(_Recurrent(nn.LSTM(3, 4, batch_first=True)), 4, c),
+             _image((5, 3))),
+    "lstm_seq_first_bidirectional_two_layers_nobias": (
+        lambda c: _Head(_Recurrent(nn.LSTM(3, 4, num_layers=2, bidirectional=True, bias=False),
+                                   "mean"), 8, c), _image((5, 3))),
+    "lstm_padded_ids_state": (
+        lambda c: _Head(_Recurrent(nn.LSTM(3, 4, num_layers=2, batch_first=True), "mean",
+                                   vocab=7, state=True), 4, c), _ids(6)),
+    "gru_padded_ids_bidirectional_two_layers": (
+        lambda c: _Head(_Recurrent(nn.GRU(3, 4, num_layers=2, bidirectional=True,
+                                          batch_first=True), "mean", vocab=7), 8, c), _ids(6)),
+    "gru_seq_first_nobias_hidden": (
+        lambda c: _Head(_Recurrent(nn.GRU(3, 4, bias=False), "hidden", state=True), 4, c),
+        _image((5, 3))),
+    "rnn_tanh_two_layers": (
+        lambda c: _Head(_Recurrent(nn.RNN(3, 4, num_layers=2, batch_first=True), "hidden"),
+                        4, c), _image((5, 3))),
+    "rnn_relu_seq_first_bidirectional": (
+        lambda c: _Head(_Recurrent(nn.RNN(3, 4, nonlinearity="relu", bidirectional=True),
+                                   "mean", state=True), 8, c), _image((5, 3))),
     "transformer_norm_first": (lambda c: _Tokens(c, layers=1, norm_first=True), _ids(5)),
 }
 

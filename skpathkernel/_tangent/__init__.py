@@ -4,7 +4,7 @@ Private engine behind :mod:`skpathkernel.kernels`, the tangent-feature estimator
 decomposition: torch in, torch out (no NumPy). Layers with a registered rule
 (:mod:`._rules` states the contract, :mod:`._layers` holds the built-in rules: Linear,
 Conv1d/2d/3d, ConvTranspose1d/2d/3d, Embedding, LayerNorm, RMSNorm, GroupNorm, BatchNorm
-in eval mode, MultiheadAttention, PReLU)
+in eval mode, MultiheadAttention, PReLU; LSTM, GRU and RNN in :mod:`._recurrent`)
 contribute Kronecker factors with a position axis, contracted by the cheaper exact form
 (:mod:`._contract`); raw parameters read once by an elementwise +, * or expand (of
 them or of a basic slice of them) take the rules of :mod:`._parameters`; everything

@@ -1,7 +1,7 @@
 """The built-in rules: Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, Embedding, LayerNorm,
-RMSNorm, GroupNorm, BatchNorm (eval), MultiheadAttention, PReLU; and
-:func:`transposed_linear_rule` for a linear layer holding its weight as ``(in, out)``, which
-the user registers for such a type (Hugging Face's ``Conv1D``).
+RMSNorm, GroupNorm, BatchNorm (eval), MultiheadAttention, PReLU; LSTM, GRU and RNN (from
+:mod:`._recurrent`); and :func:`transposed_linear_rule` for a linear layer holding its weight
+as ``(in, out)``, which the user registers for such a type (Hugging Face's ``Conv1D``).
 
 Each is one small pure function from what the capture saw (:class:`._rules.Use`) and the
 backprops to :class:`._rules.Term` objects, registered per type (subclasses that keep
@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ._contract import dense_grad
+from ._recurrent import GRU, LSTM, RNN
 from ._rules import Rule, Term, Use, register_rule
 
 __all__ = ["transposed_linear_rule"]
@@ -901,7 +902,7 @@ for _type, _rule in [(nn.Linear, LINEAR), (nn.Conv1d, CONV1D), (nn.Conv2d, CONV2
                      (nn.RMSNorm, RMS_NORM),
                      (nn.GroupNorm, GROUP_NORM), (nn.BatchNorm1d, BATCH_NORM),
                      (nn.BatchNorm2d, BATCH_NORM), (nn.MultiheadAttention, MULTIHEAD_ATTENTION),
-                     (nn.PReLU, PRELU),
+                     (nn.PReLU, PRELU), (nn.LSTM, LSTM), (nn.GRU, GRU), (nn.RNN, RNN),
                      # MultiheadAttention's out_proj type, whose forward is nn.Linear's own.
                      (nn.modules.linear.NonDynamicallyQuantizableLinear, LINEAR)]:
     register_rule(_type, _rule)

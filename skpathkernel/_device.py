@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "differentiable",
     "forked_rng",
     "resolve_device",
     "resolve_dtype",
@@ -79,6 +80,32 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     buffer avoids that, and ``benchmarks/bench_gpu_ab.py`` times it for the next GPU run.
     """
     return t.detach().cpu().numpy()
+
+
+class differentiable:
+    """Run a block with autograd on, whatever the caller's ``torch.no_grad()`` or
+    ``torch.inference_mode()``, and give the caller its modes back after it.
+
+    Users commonly call analyses inside such a block; every verb that differentiates the
+    network needs a graph, and an inference tensor (one created in inference mode) cannot
+    be saved for backward, so the block also leaves inference mode: the tensors the verb
+    makes from NumPy inside it are ordinary ones. Both modes are per thread. A class, not
+    a generator, for :class:`skpathkernel._modules.running` (no ``contextlib`` frame).
+    """
+
+    def __enter__(self):
+        # Leaving inference mode first, enabling gradients second; their exits in the
+        # opposite order: inference_mode's exit restores the whole autograd state it
+        # found, grad mode included.
+        self._modes = (torch.inference_mode(False), torch.enable_grad())
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+        return False
 
 
 # torch's global generators are the process's, shared by its threads: two fits on threads

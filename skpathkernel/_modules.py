@@ -21,6 +21,8 @@ import torch
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
+from ._device import differentiable
+
 __all__ = ["copy_module", "cudnn_disabled", "cudnn_held", "fastpath_disabled",
            "fastpath_held", "has_fastpath", "module_lock", "norm_hooks", "recurrent_on_cuda",
            "running", "runs_module", "without_fastpath"]
@@ -257,7 +259,9 @@ class running:
     first when no other verb on ``module`` is running in this thread (the one the user
     called, whichever verbs it calls), which also turns cuDNN off for the call when
     ``module`` is recurrent on CUDA (:func:`recurrent_on_cuda`), and torch's attention
-    fast path when it holds an attention layer (:func:`has_fastpath`). A class, not a
+    fast path when it holds an attention layer (:func:`has_fastpath`), and runs the call
+    with autograd on, out of the caller's ``no_grad`` or ``inference_mode``
+    (:class:`~skpathkernel._device.differentiable`). A class, not a
     generator: a warning that ``check`` points at the user's line must find no frame of
     ``contextlib`` on the way."""
 
@@ -272,6 +276,11 @@ class running:
             depth = _RUNNING.__dict__.setdefault("depth", {})
             key = self.key = id(self.module)  # alive while it is running
             outermost = key not in depth
+            if outermost:
+                # The user's torch.no_grad() or inference_mode() around the verb: the
+                # analyses differentiate the network (verbs the outer one calls run in
+                # whatever mode it set).
+                self.switches.append(differentiable().__enter__())
             if self.check is not None and outermost:
                 self.check(self.module)
             if outermost and recurrent_on_cuda(self.module):

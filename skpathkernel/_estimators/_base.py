@@ -35,6 +35,7 @@ from sklearn.utils.validation import (
 from .. import _tangent
 from .._analysis._attribution import dense_indicator
 from .._device import (
+    differentiable,
     resolve_device,
     resolve_dtype,
     seeded_torch,
@@ -207,14 +208,17 @@ def keep_previous_fit_on_error(fit):
     Validation itself writes to the estimator (``validate_data(reset=True)`` sets
     ``n_features_in_`` and ``feature_names_in_`` before training starts), so a fit that
     fails later (one class, divergence, a bad module) would otherwise leave a previous
-    fit with the new data's number of features.
+    fit with the new data's number of features. The fit runs out of the caller's
+    ``torch.inference_mode()`` (and ``no_grad``): a module and path built in it would hold
+    inference tensors, which no later analysis can differentiate.
     """
 
     @functools.wraps(fit)
     def wrapper(self, *args, **kwargs):
         previous = self.__dict__.copy()
         try:
-            return fit(self, *args, **kwargs)
+            with differentiable():
+                return fit(self, *args, **kwargs)
         except BaseException:
             self.__dict__.clear()
             self.__dict__.update(previous)

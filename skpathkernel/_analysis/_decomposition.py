@@ -2102,9 +2102,12 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
 
     nxt = traj.parameters(len(traj) - 1).to(device)
     f_next = quad.f[-1] if method == "exact" else None
+    # The step's difference and the batch's float64 gradients, in buffers held for the
+    # walk (see _factored_block).
+    held = _Scratch(device)
     for j, steps in _intervals(traj):
         theta = traj.parameters(j).to(device)
-        delta = nxt - theta
+        delta = torch.sub(nxt, theta, out=held.get("delta", theta.shape, theta.dtype))
         if method == "exact":
             f_t = quad.f[j]
             d64 = (nxt.to(torch.float64) - theta.to(torch.float64))
@@ -2154,7 +2157,9 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
                                        ctx.Y_train[sub])
                 # The per-sample loss gradients J_i^T r_i: one backward pass seeded with r.
                 g = ctx.seeded_rows(params, ctx.X_train[sub], r, G[: len(sub)])[:, 0]
-                share = (lam.flatten(0, 1) @ g.T.double()).unflatten(0, lam.shape[:2])
+                if g.dtype != torch.float64:
+                    g = held.get("g64", g.shape, torch.float64).copy_(g)
+                share = (lam.flatten(0, 1) @ g.T).unflatten(0, lam.shape[:2])
                 share = share.transpose(1, 2).double() * w[b0 : b0 + ctx.b_block, None]
                 contrib.index_add_(1, sub, share)
                 if size is not None:

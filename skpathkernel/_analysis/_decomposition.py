@@ -277,7 +277,7 @@ from .._tangent import (
     tangent_features,
 )
 from .._tangent._pairs import Flat, prepare_directions
-from .._tangent._stacked import _global_hooks, _hooked, forward_factors
+from .._tangent._stacked import _global_hooks, _hooked, _Scratch, forward_factors
 from .._warnings import caller_stacklevel, worse, worst
 from ._unrolled import PrecisionWarning, Replay, _first_moment, check_replayable, replay_limit
 
@@ -740,9 +740,17 @@ class _Reference:
             except Exception:  # any failure: keep the module's own dtype
                 pass
         self.upcast = self.dtype != traj.dtype
+        # The point converted to the reference's dtype, one buffer for every call: f is
+        # read at every recorded point, and a fresh float64 copy of each (8.5 MB at
+        # P = 1M) was freed again at once (see _factored_block).
+        self._point = None
 
     def __call__(self, t: int, rows=slice(None)) -> torch.Tensor:
-        flat = self.traj.parameters(t).to(device=self.X.device, dtype=self.dtype)
+        flat = self.traj.parameters(t)
+        if flat.dtype != self.dtype or flat.device != self.X.device:
+            if self._point is None:
+                self._point = torch.empty(flat.shape, dtype=self.dtype, device=self.X.device)
+            flat = self._point.copy_(flat)
         return forward(self.module, _params(self.traj, flat), self.X[rows]).double()
 
     def out(self, f, rows=slice(None)) -> torch.Tensor:
@@ -1132,9 +1140,10 @@ class _StackedCapture:
         return out
 
     def capture(self, thetas, X, weights, outputs):
-        """The terms at every point of ``thetas`` (a list of flat vectors) of the
-        ``outputs``, or of ``w_n . f(x_n)`` (``weights`` (N, C))."""
-        out, cache = self.forward(torch.stack(list(thetas)), X)
+        """The terms at every point of ``thetas`` (a list of flat vectors, or their stack
+        (B, P)) of the ``outputs``, or of ``w_n . f(x_n)`` (``weights`` (N, C))."""
+        thetas = thetas if torch.is_tensor(thetas) else torch.stack(list(thetas))
+        out, cache = self.forward(thetas, X)
         return self.backward(cache, self.seed(weights, X.shape[0], outputs, out.shape[-1],
                                               out.dtype, out.device))
 
@@ -1210,6 +1219,8 @@ class _Context:
         self.node_points = max(node_points, min(MAX_NODES, (
             2 * node_points * point_bytes + left // 4) // max(2 * point_bytes, 1)))
         self._ahead, self._walk, self._at = {}, None, None
+        # The parameter points of the batches captured ahead, stacked (_capture_ahead).
+        self.held = _Scratch(self.device)
         # The first step a block of steps made ahead may reach back to from step j: a
         # replayed path's long intervals are read one at a time (EveryStep.floor).
         self.floor = traj.floor if isinstance(traj, EveryStep) else (lambda j: 0)
@@ -1332,7 +1343,10 @@ class _Context:
             block.append((s, j))
             idx.append(i)
             w.append(ws)
-        thetas = torch.stack([self.traj.parameters(j).to(self.device) for _, j in block])
+        points = [self.traj.parameters(j).to(self.device) for _, j in block]
+        # Stacked in a buffer held for the walk, as the queries' points are (_NodesAhead).
+        thetas = torch.stack(points, out=self.held.get(
+            "batch points", (len(points), *points[0].shape), points[0].dtype))
         idx = torch.stack(idx)
         out, cache = self.stacked.forward(thetas, self.X_train[idx])
         r = self.loss.residuals(out.flatten(0, 1), self.Y_train[idx.flatten()])
@@ -1412,14 +1426,23 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
     if exact:
         for c in parts:
             c.f_next = c.quad.f[hi]
+    # The step's vectors over the parameters (its float64 points and difference, the
+    # prepared directions, the node points) are written to buffers held for the walk:
+    # fresh ones at every step, each a few MB on a large network, were freed again at
+    # once, and glibc's heap kept the fragments (1.2 GB resident beyond the plan at
+    # P = 1M, about one run in two: benchmarks/results/user_trial_memory-s52.md). The
+    # plan charges them (STEP_VECTORS, NODE_POINTS).
+    held, held_D = _Scratch(device), None
     # The first-order methods' captures at theta_t are made for blocks of steps too.
-    ahead = _NodesAhead(ctx, lo, n_q, at_start=not exact, pair=exact)
+    ahead = _NodesAhead(ctx, lo, n_q, at_start=not exact, pair=exact, held=held)
     for j, steps in _intervals(traj):
         if not lo <= j < hi:
             continue
         theta = traj.parameters(j).to(device)
-        theta64 = (_as_float64(traj, _decay_direction(traj, j, theta.to(torch.float64),
-                                                      decoupled)) if wd else None)
+        # theta_t in float64 (the decay direction's and the difference's).
+        at64 = (held.get("theta64", theta.shape, torch.float64).copy_(theta) if exact or wd
+                else None)
+        theta64 = _as_float64(traj, _decay_direction(traj, j, at64, decoupled)) if wd else None
         # Decoupled decay, -lr wd theta_t, is not a gradient: rho_t . it is its share.
         # Plain SGD's L2 share is lambda_t . wd theta_t = -lr_t rho_t . wd theta_t.
         along = wd and (decoupled or route == "factor")
@@ -1429,8 +1452,9 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
             c.nodes = c.run = None
         if exact:
             # The exact difference of the two recorded points (exact in float64).
-            d64 = _as_float64(traj, nxt.to(torch.float64) - theta.to(torch.float64))
-            dirs = prepare_directions(*((d64, theta64) if along else (d64,)))
+            d64 = held.get("d64", nxt.shape, torch.float64).copy_(nxt)
+            d64 = _as_float64(traj, d64.sub_(at64))
+            dirs = prepare_directions(*((d64, theta64) if along else (d64,)), scratch=held)
             ahead.passed(j, theta, nxt)
 
             def run(n, X, W, at, cuts=None, later=(False,), j=j, dirs=dirs):
@@ -1511,7 +1535,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
             ahead.passed(j, theta, nxt)
             # The decay direction prepared once for all chunks of the step (and its
             # merged layout kept there), as the exact branch's directions are.
-            dirs = prepare_directions(theta64) if along else None
+            dirs = prepare_directions(theta64, scratch=held) if along else None
             for c in parts:
                 c.nodes, c.w = ahead.nodes(j, 1, c.X, c.W, c.local, True), [1.0]
                 c.rho_theta = (directional(c.nodes, c.w, prepared=dirs)[0][0] if along
@@ -1529,7 +1553,9 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                                   coarse=n_q if exact else None)
             groups = _pair_groups([(c.nodes, c.w, c.local) for c in parts], exact, n_q)
             groups = [(at, nodes, w) for nodes, w, at in groups]
-            D = traj.preconditioner(j)
+            D = traj._preconditioner_into(j, held_D)
+            if D is not None and held_D is None and D.numel() > 1:
+                held_D = torch.empty_like(D)  # the next steps' (the state's dtype, device)
             D = None if D is None else dict(traj.unflatten(D.to(device=device,
                                                                 dtype=traj.dtype)))
         decay = None
@@ -1601,8 +1627,11 @@ class _NodesAhead:
     """
 
     def __init__(self, ctx: _Context, lo: int, n_rows: int, at_start: bool = False,
-                 pair: bool = False):
+                 pair: bool = False, held: _Scratch | None = None):
         self.ctx, self.lo, self.n_rows = ctx, lo, max(n_rows, 1)
+        # The buffers the parameter points are formed in, held for the walk (see
+        # _factored_block): the step's, and a block of steps' stack.
+        self.held = _Scratch(ctx.device) if held is None else held
         # pair: each capture at n nodes holds the n + 1 nodes of the check's rule after
         # them (see _pair_groups), in the same stacked pass.
         self.pair = pair
@@ -1632,17 +1661,29 @@ class _NodesAhead:
         # it (those of every count tried, kept, held 11 parameter points at a try of 6).
         self._step, self._points = (j, theta, nxt), (None, [])
 
-    def _step_points(self, n: int, nodes: slice = slice(None)) -> list[torch.Tensor]:
+    def _step_points(self, n: int, nodes: slice = slice(None)) -> torch.Tensor:
         """The nodes ``nodes`` of the ``n`` of the walk's step, ``theta + s (nxt -
-        theta)`` (``theta`` alone with ``at_start``)."""
+        theta)`` (``theta`` alone with ``at_start``), stacked (k, P) in a held buffer
+        (overwritten by the next call that asks other nodes)."""
         key = (n, nodes.start, nodes.stop)
         if self._points[0] != key:
             _, theta, nxt = self._step
-            delta = nxt - theta
-            self._points = key, ([theta] if self.at_start else
-                                 [theta + sk * delta
-                                  for sk in self._abscissae(n)[nodes]])
+            if self.at_start:
+                points = theta[None]
+            else:
+                s = self._abscissae(n)[nodes]
+                points = self.held.get("step points", (len(s), *theta.shape), theta.dtype)
+                self._segment(theta, nxt, s, points, "step")
+            self._points = key, points
         return self._points[1]
+
+    def _segment(self, theta, nxt, s, out, name):
+        """``out[k] = theta + s[k] (nxt - theta)`` (``s[k] (nxt - theta)`` rounded first,
+        as ``theta + sk * delta`` computes it), the difference in a held buffer."""
+        delta = torch.sub(nxt, theta, out=self.held.get(name + " delta", theta.shape,
+                                                        theta.dtype))
+        for k, sk in enumerate(s):
+            torch.add(theta, torch.mul(delta, sk, out=out[k]), out=out[k])
 
     def _abscissae(self, n: int) -> tuple[float, ...]:
         """The nodes on [0, 1] a capture at ``n`` holds: the rule's, and with ``pair``
@@ -1672,19 +1713,23 @@ class _NodesAhead:
             # put a small Adam path at 1.25x a 200 kB budget).
             return [c for k in range(0, width, ctx.node_points) for c in ctx.capture_nodes(
                 self._step_points(n, slice(k, k + ctx.node_points)), X, W)]
-        points = list(self._step_points(n))
+        points = self._step_points(n)
         if len(steps) > 1:
             # The earlier steps' points, read once for the block; theta_j ends the last.
             params = [ctx.traj.parameters(i).to(ctx.device) for i in range(steps[-1], j)]
             params.append(self._step[1])
             s = self._abscissae(n)
-            for i in steps[1:]:  # theta_i + s (theta_{i+1} - theta_i), as the walk forms them
-                theta = params[i - steps[-1]]
+            block = self.held.get("block points", (len(steps) * width, *points.shape[1:]),
+                                  points.dtype)
+            block[:width] = points
+            for k, i in enumerate(steps[1:], 1):
+                # theta_i + s (theta_{i+1} - theta_i), as the walk forms them
+                theta, dest = params[i - steps[-1]], block[k * width : (k + 1) * width]
                 if self.at_start:
-                    points.append(theta)
+                    dest[0] = theta
                     continue
-                delta = params[i + 1 - steps[-1]] - theta
-                points += [theta + sk * delta for sk in s]
+                self._segment(theta, params[i + 1 - steps[-1]], s, dest, "block")
+            points = block
         made = ctx.capture_nodes(points, X, W)
         if len(steps) > 1:
             block = [_nbytes(made), len(steps) - 1]
@@ -2057,9 +2102,12 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
 
     nxt = traj.parameters(len(traj) - 1).to(device)
     f_next = quad.f[-1] if method == "exact" else None
+    # The step's difference and the batch's float64 gradients, in buffers held for the
+    # walk (see _factored_block).
+    held = _Scratch(device)
     for j, steps in _intervals(traj):
         theta = traj.parameters(j).to(device)
-        delta = nxt - theta
+        delta = torch.sub(nxt, theta, out=held.get("delta", theta.shape, theta.dtype))
         if method == "exact":
             f_t = quad.f[j]
             d64 = (nxt.to(torch.float64) - theta.to(torch.float64))
@@ -2109,7 +2157,9 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
                                        ctx.Y_train[sub])
                 # The per-sample loss gradients J_i^T r_i: one backward pass seeded with r.
                 g = ctx.seeded_rows(params, ctx.X_train[sub], r, G[: len(sub)])[:, 0]
-                share = (lam.flatten(0, 1) @ g.T.double()).unflatten(0, lam.shape[:2])
+                if g.dtype != torch.float64:
+                    g = held.get("g64", g.shape, torch.float64).copy_(g)
+                share = (lam.flatten(0, 1) @ g.T).unflatten(0, lam.shape[:2])
                 share = share.transpose(1, 2).double() * w[b0 : b0 + ctx.b_block, None]
                 contrib.index_add_(1, sub, share)
                 if size is not None:

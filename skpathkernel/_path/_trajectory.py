@@ -744,22 +744,40 @@ class Trajectory(VersionedStateMixin):
         diagonal : torch.Tensor of shape (n_params,) or None
             The diagonal, None for SGD with one step size for every parameter.
         """
-        scales = self.step_size_scales(k) if self._group_lrs is not None else None
-        return self._preconditioner(k, scales)
+        return self._preconditioner_into(k, None)
 
-    def _preconditioner(self, k: int, scales: torch.Tensor | None) -> torch.Tensor | None:
+    def _preconditioner_into(self, k: int, out: torch.Tensor | None) -> torch.Tensor | None:
+        """:meth:`preconditioner`, written to ``out`` (P,) where its dtype and device are
+        the optimizer state's (the same arithmetic in place): a walk over the steps
+        reuses one buffer instead of five fresh P-vectors a step."""
+        scales = self.step_size_scales(k) if self._group_lrs is not None else None
+        return self._preconditioner(k, scales, out)
+
+    def _preconditioner(self, k: int, scales: torch.Tensor | None,
+                        out: torch.Tensor | None = None) -> torch.Tensor | None:
         """:meth:`preconditioner` with ``scales`` (P,) in place of :meth:`step_size_scales`
         (None: the optimizer's diagonal alone): the path kernel weighs a step's gradient
-        by the step sizes of the later updates that its momentum carries it into."""
+        by the step sizes of the later updates that its momentum carries it into.
+        ``out``: see :meth:`_preconditioner_into`."""
         spec = self.solver_spec
         if spec.name == "sgd":
             return None if scales is None else scales.to(self.dtype)
         state = self.optimizer_state(k)
-        if spec.name in ("adam", "adamw"):
+        adam = spec.name in ("adam", "adamw")
+        v = state["exp_avg_sq"] if adam else state["square_avg"]
+        if out is not None and (out.shape, out.dtype, out.device) == (v.shape, v.dtype,
+                                                                       v.device):
+            denom = torch.sqrt(v, out=out)
+            if adam:
+                denom.div_((1.0 - spec.beta_2 ** float(state["step"])) ** 0.5)
+            # 1.0 / x is x.reciprocal() * 1.0: the same numbers.
+            D = denom.add_(spec.epsilon).reciprocal_()
+            return D if scales is None else D.mul_(scales.to(D.dtype))
+        if adam:
             bias_correction2 = 1.0 - spec.beta_2 ** float(state["step"])
-            denom = state["exp_avg_sq"].sqrt() / bias_correction2**0.5
+            denom = v.sqrt() / bias_correction2**0.5
         else:
-            denom = state["square_avg"].sqrt()
+            denom = v.sqrt()
         D = 1.0 / (denom + spec.epsilon)
         return D if scales is None else D * scales.to(D.dtype)
 

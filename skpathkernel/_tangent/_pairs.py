@@ -44,6 +44,7 @@ import torch
 
 from ._contract import densify, rank_one, split_constant_inputs
 from ._rules import Term
+from ._stacked import _Scratch
 
 __all__ = ["Adjoint", "Flat", "directional", "factor_shares", "formed_contraction",
            "pair_terms", "prepare_directions"]
@@ -94,15 +95,36 @@ def pair_terms(terms: Sequence[Term]) -> list[Flat]:
     return out
 
 
-def prepare_directions(*vectors: Mapping[str, torch.Tensor]) -> dict:
+class _Prepared(dict):
+    """:func:`prepare_directions`' directions by name, and the buffers they are written
+    to (``scratch``, None: fresh tensors)."""
+
+    scratch = None
+
+
+def prepare_directions(*vectors: Mapping[str, torch.Tensor], scratch=None) -> dict:
     """The directions of :func:`directional` as its GEMMs read them, for several calls
     with the same directions: by name, ``(v, v[0] ** 2)`` with ``v`` (k, p, q) stacked
-    over the directions (``p`` the parameter's first dimension, found at the call)."""
-    out = {}
+    over the directions (``p`` the parameter's first dimension, found at the call).
+
+    ``scratch``: a :class:`._stacked._Scratch` whose buffers hold them (and the merged
+    directions :func:`directional` adds), overwritten by the next call with the same
+    scratch: a walk over the steps prepares each step's directions in the same memory
+    instead of allocating and freeing their multi-MB copies at every step (which
+    fragmented glibc's heap: ``benchmarks/results/user_trial_memory-s52.md``)."""
+    out = _Prepared()
+    out.scratch = scratch
     for name in vectors[0]:
-        v = torch.stack([vec[name].reshape(vec[name].shape[0] if vec[name].dim() else 1, -1)
-                         for vec in vectors])
-        out[name] = (v, v[0] ** 2)
+        rows = [vec[name].reshape(vec[name].shape[0] if vec[name].dim() else 1, -1)
+                for vec in vectors]
+        if scratch is None:
+            v = torch.stack(rows)
+            out[name] = (v, v[0] ** 2)
+            continue
+        v = torch.stack(rows, out=scratch.get(("v", name), (len(rows), *rows[0].shape),
+                                              rows[0].dtype))
+        out[name] = (v, torch.pow(v[0], 2, out=scratch.get(("v2", name), v.shape[1:],
+                                                              v.dtype)))
     return out
 
 
@@ -178,8 +200,20 @@ def _merged(prepared: dict, term: Flat, k: int, p: int) -> tuple[torch.Tensor, t
             v, v2 = prepared[name]
             vs.append(v.reshape(k, p, -1))
             v2s.append(v2.reshape(p, -1))
-        prepared[key] = (torch.cat(vs, dim=2).reshape(k * p, -1).T.contiguous(),
-                         torch.cat(v2s, dim=1).T.contiguous())
+        scratch = getattr(prepared, "scratch", None)
+        if scratch is None:
+            prepared[key] = (torch.cat(vs, dim=2).reshape(k * p, -1).T.contiguous(),
+                             torch.cat(v2s, dim=1).T.contiguous())
+        else:  # the same values, copied input by input into the walk's held buffers
+            width = sum(v.shape[2] for v in vs)
+            vt = scratch.get(("vt", key), (width, k * p), vs[0].dtype)
+            v2t = scratch.get(("v2t", key), (width, p), v2s[0].dtype)
+            at = 0
+            for v, v2 in zip(vs, v2s):
+                vt[at : at + v.shape[2]].copy_(v.reshape(k * p, -1).T)
+                v2t[at : at + v.shape[2]].copy_(v2.T)
+                at += v.shape[2]
+            prepared[key] = (vt, v2t)
     return prepared[key]
 
 
@@ -284,6 +318,12 @@ class Adjoint:
                 shape = (self.rows, p) if a is None else (self.rows, p, a.shape[1])
                 self.S[name] = torch.zeros(shape, dtype=delta.dtype, device=delta.device)
         self.cpu = delta.device.type == "cpu"
+        # The products with the batch, (rows, p, m), and a chunk's copies, held from step
+        # to step (one of each, as large as the largest parameter's): fresh ones at every
+        # step and parameter (tens of MB on a 1000-wide layer) were freed again at once,
+        # and glibc's heap kept the fragments (``benchmarks/results/
+        # user_trial_memory-s52.md``).
+        self._held = _Scratch(delta.device)
 
     @staticmethod
     def scratch_bytes(rows: int, largest: int, dense: int, itemsize: int, *, cpu: bool,
@@ -451,7 +491,7 @@ class Adjoint:
             G = G.view(m, p * q)
             T1 = torch.empty((rows, m), dtype=ACCUMULATE, device=S.device)
         elif a_b is not None:
-            T1 = torch.empty((rows, p, m), dtype=ACCUMULATE, device=S.device)
+            T1 = self._held.get("T1", (rows, p, m), ACCUMULATE)
         A = None if a_b is None or formed else a_b.to(ACCUMULATE)
         # A float64 buffer's coarse rows are read in place: a float32 copy gained nothing.
         cut = self.coarse if S.dtype == COARSE else rows
@@ -466,9 +506,9 @@ class Adjoint:
                 Ac = a_b.to(COARSE)
         scratch = wide = None
         if UV is not None and self.memory and d is not None:
-            scratch = torch.empty_like(S[chunks[0]])
+            scratch = self._held.get("scratch", S[chunks[0]].shape, S.dtype)
         if S.dtype != ACCUMULATE and (T1 is not None or v is not None):
-            wide = torch.empty(S[chunks[0]].shape, dtype=ACCUMULATE, device=S.device)
+            wide = self._held.get("wide", S[chunks[0]].shape, ACCUMULATE)
         if v is not None:
             Sv = torch.empty((rows, p), dtype=ACCUMULATE, device=S.device)
             v = v.to(ACCUMULATE)

@@ -627,3 +627,38 @@ def test_exact_walk_allocates_no_parameter_sized_blocks_per_step(momentum, verb)
     short = _parameter_sized_allocations(momentum, 5, verb)
     long = _parameter_sized_allocations(momentum, 20, verb)
     assert long == short, (short, long)
+
+
+class _ConstantOutput(torch.nn.Module):
+    """A learned constant: the output is a view of the parameter (``expand``)."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.b = torch.nn.Parameter(torch.zeros(1, n_out))
+
+    def forward(self, x):
+        return self.b.expand(x.shape[0], -1)
+
+
+def test_reference_outputs_that_view_the_parameters_stay_those_of_their_point():
+    """The exact method's float64 reference converts every recorded float32 point in one
+    buffer held for the call, and keeps f at every point (the steps' residuals, the node
+    choice). An output that is a view of the parameters was a view of that buffer: every
+    kept f became the last point's (decompose's contributions moved by 2e-9 relative,
+    and the residual checks read f(theta_{t+1}) - f(theta_t) = 0). Reference: f of this
+    module is its one parameter, f_t = theta_t exactly."""
+    from skpathkernel._analysis._decomposition import _Reference
+
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(24, 4))
+    y = np.sin(3 * X[:, 0]) + 2
+    est = PathKernelMachine(module=_ConstantOutput, solver="sgd", momentum=0.9,
+                            max_iter=2, batch_size=8, tol=None, random_state=0,
+                            normalize_y=False).fit(X, y)
+    traj = est.trajectory_
+    ref = _Reference(est.network_.module, traj, torch.zeros((3, 4), dtype=torch.float32))
+    assert ref.upcast
+    fs = [ref(t) for t in range(len(traj))]
+    assert len({float(f[0, 0]) for f in fs}) == len(traj)  # the path moves b
+    for t, f in enumerate(fs):
+        assert_array_equal(f.numpy(), traj.parameters(t).double().expand(3, 1).numpy())

@@ -751,7 +751,13 @@ class _Reference:
             if self._point is None:
                 self._point = torch.empty(flat.shape, dtype=self.dtype, device=self.X.device)
             flat = self._point.copy_(flat)
-        return forward(self.module, _params(self.traj, flat), self.X[rows]).double()
+        f = forward(self.module, _params(self.traj, flat), self.X[rows]).double()
+        # f is kept for every point: an output that is a view of the parameters (a
+        # learned constant, expanded) would be overwritten by the next point's copy.
+        if flat is self._point and (f.untyped_storage().data_ptr()
+                                    == flat.untyped_storage().data_ptr()):
+            f = f.clone()
+        return f
 
     def out(self, f, rows=slice(None)) -> torch.Tensor:
         """The decomposed output(s) of f (rows, C): f itself, or ``w_q . f`` (rows, 1)."""

@@ -1192,6 +1192,11 @@ def test_skops_round_trip_of_an_on_disk_estimator(data, monkeypatch):
 
 
 def _record_and_read_in_child(X, y, queue):
+    # The collections this child runs (its own below, and any a fit triggers) must not
+    # reach the garbage it inherited from the pytest-xdist worker: a finalizer there that
+    # writes to a descriptor shared with the parent (execnet's channel) can make the
+    # parent worker look crashed ("node down: Not properly terminated", seen once in CI).
+    gc.freeze()
     est = _fit(X, y, "disk", solver="adam")  # the writer thread, in this process
     queue.put(PathKernel(est)(X[:4]))  # the reader thread
     del est  # a child process exits without running finalizers: delete its directory

@@ -103,6 +103,9 @@ class differentiable:
         return self
 
     def __exit__(self, *exc):
+        # torch's modes take the three exception arguments; a release on a failed entry
+        # (:class:`skpathkernel._modules.running`) gives none.
+        exc = exc or (None, None, None)
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
         return False

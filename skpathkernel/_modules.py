@@ -305,7 +305,7 @@ class running:
 
     def _release(self, *exc):
         try:
-            for switch in self.switches:
+            for switch in reversed(self.switches):  # the last entered, the first left
                 switch.__exit__(*exc)
         finally:
             self.lock.release()

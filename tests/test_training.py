@@ -1081,6 +1081,14 @@ def test_a_drawing_warning_raised_as_an_error_leaves_the_module_free():
         for _ in range(2):
             with pytest.raises(UserWarning, match="training mode now"):
                 net.attribute(Q, method="first_order")
+        # Inside the caller's no_grad, the failed entry gives its grad mode back too.
+        with torch.no_grad(), pytest.raises(UserWarning, match="training mode now"):
+            net.attribute(Q, method="first_order")
+        assert torch.is_grad_enabled()
+        with torch.no_grad():
+            with pytest.raises(UserWarning, match="training mode now"):
+                net.attribute(Q, method="first_order")
+            assert not torch.is_grad_enabled()
     taken = []
     thread = threading.Thread(target=lambda: taken.append(
         module_lock(module).acquire(timeout=10)))

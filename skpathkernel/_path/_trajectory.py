@@ -765,21 +765,17 @@ class Trajectory(VersionedStateMixin):
         state = self.optimizer_state(k)
         adam = spec.name in ("adam", "adamw")
         v = state["exp_avg_sq"] if adam else state["square_avg"]
+        # One chain of in-place operations on a fresh vector or on ``out``: 1.0 / x is
+        # x.reciprocal() * 1.0, the same numbers as torch.optim's.
         if out is not None and (out.shape, out.dtype, out.device) == (v.shape, v.dtype,
                                                                        v.device):
             denom = torch.sqrt(v, out=out)
-            if adam:
-                denom.div_((1.0 - spec.beta_2 ** float(state["step"])) ** 0.5)
-            # 1.0 / x is x.reciprocal() * 1.0: the same numbers.
-            D = denom.add_(spec.epsilon).reciprocal_()
-            return D if scales is None else D.mul_(scales.to(D.dtype))
-        if adam:
-            bias_correction2 = 1.0 - spec.beta_2 ** float(state["step"])
-            denom = v.sqrt() / bias_correction2**0.5
         else:
             denom = v.sqrt()
-        D = 1.0 / (denom + spec.epsilon)
-        return D if scales is None else D * scales.to(D.dtype)
+        if adam:
+            denom.div_((1.0 - spec.beta_2 ** float(state["step"])) ** 0.5)
+        D = denom.add_(spec.epsilon).reciprocal_()
+        return D if scales is None else D.mul_(scales.to(D.dtype))
 
     def step_coefficients(
         self, direct: bool = False

@@ -10,8 +10,8 @@ from sklearn import get_config
 from sklearn.utils._param_validation import Interval
 from sklearn.utils.validation import _check_feature_names, _get_feature_names
 
-__all__ = ["check_column_names", "check_flag", "check_index", "count", "is_option",
-           "validate_params"]
+__all__ = ["check_column_names", "check_flag", "check_index", "check_memory_budget", "count",
+           "is_option", "validate_params"]
 
 
 def check_column_names(estimator, X) -> None:
@@ -95,6 +95,28 @@ def check_index(value, name: str, *, n: int | None = None, allow_none: bool = Fa
     if not -n <= index < n:
         raise IndexError(f"{name} index {index} is out of range for {n} entries.")
     return index % n
+
+
+def check_memory_budget(value, *, low: int = 1) -> int:
+    """``value`` checked as a ``memory_budget`` of at least ``low`` bytes.
+
+    The one check of the objects that take a budget outside ``_parameter_constraints``
+    (``PathRecorder``, ``RecordedNetwork``): a float or a bool is refused (``int()``
+    took 1.5 and True for one byte), and so is a budget below ``low`` (the first kernel
+    then failed in words about its block).
+
+    Raises
+    ------
+    TypeError
+        For anything else than an int.
+    ValueError
+        For an int below ``low``.
+    """
+    budget = check_index(value, "memory_budget")
+    if budget < low:
+        least = "a positive number of bytes" if low == 1 else f"at least {low:,} bytes"
+        raise ValueError(f"memory_budget must be {least}, got {budget!r}.")
+    return budget
 
 
 def once_differentiable(gradient) -> bool:

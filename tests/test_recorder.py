@@ -1709,6 +1709,28 @@ def test_clip_grad_norm_refuses_a_bad_max_norm_before_changing_a_gradient(data, 
 
 
 @pytest.mark.parametrize(("budget", "error", "match"), [
+    (2**20 - 1, ValueError, "memory_budget must be at least 1,048,576 bytes, got 1048575"),
+    (-5, ValueError, "memory_budget must be at least 1,048,576 bytes, got -5"),
+    (float(2**30), TypeError, "memory_budget must be an int, got 1073741824.0"),
+    (True, TypeError, "memory_budget must be an int, got True"),
+    ("x", TypeError, "memory_budget must be an int, got 'x'"),
+])
+def test_a_recorder_refuses_a_bad_memory_budget_as_the_estimators_do(budget, error, match):
+    # The recorder took its own check (a ValueError for a float or a string) where
+    # RecordedNetwork raised a TypeError; the floor stays the estimators' 2**20.
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.2)
+    with pytest.raises(error, match=match):
+        PathRecorder(module, opt, memory_budget=budget)
+    # Nothing of the refused recorder is left on the module: a valid one records alone.
+    with PathRecorder(module, opt, n_samples=4, memory_budget=np.int64(2**20)) as rec:
+        module(torch.ones(4, module[0].in_features, dtype=torch.float64)).sum().backward()
+        rec.set_batch(np.arange(4))
+        opt.step()
+    assert rec.trajectory.n_steps == 1
+
+
+@pytest.mark.parametrize(("budget", "error", "match"), [
     (0, ValueError, "memory_budget must be a positive number of bytes, got 0"),
     (-5, ValueError, "memory_budget must be a positive number of bytes, got -5"),
     (1.5, TypeError, "memory_budget must be an int, got 1.5"),

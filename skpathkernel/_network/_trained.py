@@ -56,7 +56,7 @@ from .._path._training import (
     warn_random_forward,
 )
 from .._path._trajectory import Trajectory
-from .._validation import check_flag, check_index, is_option
+from .._validation import check_flag, check_memory_budget, is_option
 from .._warnings import VersionedStateMixin, caller_stacklevel
 from ._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from ._inputs import (
@@ -300,10 +300,7 @@ class TrainedNetwork(VersionedStateMixin):
         self.device = str(device)
         # int() took 1.5, True, or 0 and -5 (refused at the first kernel, in words about
         # its block), and "x" failed with int()'s own message.
-        self.memory_budget = check_index(memory_budget, "memory_budget")
-        if self.memory_budget < 1:
-            raise ValueError(f"memory_budget must be a positive number of bytes, got "
-                             f"{self.memory_budget}.")
+        self.memory_budget = check_memory_budget(memory_budget)
         # Why X_fit and y_fit are None where the fit had them: an estimator loaded where
         # the files holding them are not (see relocate_trajectory); said by what needs them.
         self._unread_fit: str | None = None

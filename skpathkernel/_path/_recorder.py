@@ -71,6 +71,7 @@ from .._device import to_input_tensor
 from .._estimators._base import NetworkAttributesMixin
 from .._network._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from .._network._trained import TrainedNetwork, warn_not_finite
+from .._validation import check_memory_budget
 from .._warnings import VersionedStateMixin
 from ..kernels import NetworkKernelsMixin
 from ._training import (
@@ -588,8 +589,8 @@ class PathRecorder:
         Parent of the on-disk trajectory's directory; None is the system's temporary
         directory.
     memory_budget : int, default=2**30
-        The size bound of ``storage="auto"``; chunk files, and the parts that memory
-        buffers grow by under "auto", hold at most 1/32 of it.
+        The size bound of ``storage="auto"`` (an int, at least 2**20); chunk files,
+        and the parts that memory buffers grow by under "auto", hold at most 1/32 of it.
     compression : {None, "float16", "bfloat16"}, default=None
         On disk, store each point's parameters as its difference from the previous
         stored point in this dtype (lossy: see the estimators'
@@ -698,9 +699,9 @@ class PathRecorder:
             raise ValueError(f"compression must be None, 'float16' or 'bfloat16', with "
                              f"storage 'disk' or 'auto'; got {compression!r} with "
                              f"storage={storage!r}.")
-        if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral) \
-                or memory_budget < 2**20:
-            raise ValueError(f"memory_budget must be an int >= 2**20, got {memory_budget!r}.")
+        # The estimators' floor (their _parameter_constraints): the recorder's budget
+        # sizes its chunks on disk and the analyses of the network it hands on.
+        check_memory_budget(memory_budget, low=2**20)
         self._world, self._rank = _process_group()
         if (isinstance(writer_rank, bool) or not isinstance(writer_rank, numbers.Integral)
                 or not 0 <= writer_rank < self._world):

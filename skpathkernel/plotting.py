@@ -243,7 +243,7 @@ class KernelMatrixDisplay:
         return out
 
     def plot(self, *, ax=None, cmap: str = "viridis", vmin=None, vmax=None,
-             colorbar: bool = True, boundary_kw: dict | None = None):
+             colorbar: bool = True, boundary_kw: dict | None = None, im_kw: dict | None = None):
         """Draw the heat map.
 
         Parameters
@@ -258,6 +258,11 @@ class KernelMatrixDisplay:
             Whether to draw a colorbar.
         boundary_kw : dict, default=None
             Keyword arguments of the block-boundary lines (``ax.axhline``).
+        im_kw : dict, default=None
+            Keyword arguments of ``ax.imshow`` (as scikit-learn's
+            :class:`~sklearn.metrics.ConfusionMatrixDisplay`), over the display's own:
+            ``norm=matplotlib.colors.LogNorm()`` for an unnormalized kernel's range (with
+            ``vmin=vmax=None``), ``interpolation``, ``aspect``.
 
         Returns
         -------
@@ -271,7 +276,8 @@ class KernelMatrixDisplay:
             _check_label_count(self.display_labels, len(starts), "display_labels", "class")
         ax, fig = _axes(ax)
         K = np.asarray(self.kernel_matrix)
-        self.im_ = ax.imshow(K, cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
+        self.im_ = ax.imshow(K, **{"cmap": cmap, "vmin": vmin, "vmax": vmax,
+                                   "interpolation": "nearest", **(im_kw or {})})
         self.boundary_lines_ = []
         if self.y is not None:
             kw = {"color": "white", "linestyle": "--", "linewidth": 0.8, **(boundary_kw or {})}
@@ -292,7 +298,7 @@ class KernelMatrixDisplay:
     def from_estimator(cls, estimator, X, y=None, *, kernel: str = "tangent", step: int = -1,
                        normalized: bool = True, display_labels=None, ax=None,
                        cmap: str = "viridis", vmin=None, vmax=None, colorbar: bool = True,
-                       boundary_kw: dict | None = None):
+                       boundary_kw: dict | None = None, im_kw: dict | None = None):
         """Compute the kernel matrix of ``X`` under a fitted network and plot it.
 
         Parameters
@@ -312,7 +318,7 @@ class KernelMatrixDisplay:
             Recorded point of ``estimator.trajectory_`` (0: initialization).
         normalized : bool, default=True
             Plot ``K(x, x') / sqrt(K(x, x) K(x', x'))`` (Guo, He & Morel's ``K_hat``).
-        display_labels, ax, cmap, vmin, vmax, colorbar, boundary_kw
+        display_labels, ax, cmap, vmin, vmax, colorbar, boundary_kw, im_kw
             See :meth:`plot`.
 
         Returns
@@ -337,7 +343,7 @@ class KernelMatrixDisplay:
         disp = cls(K, y=y, display_labels=display_labels, title=title)
         disp.order = order
         return disp.plot(ax=ax, cmap=cmap, vmin=vmin, vmax=vmax, colorbar=colorbar,
-                         boundary_kw=boundary_kw)
+                         boundary_kw=boundary_kw, im_kw=im_kw)
 
 
 # --------------------------------------------------------------------------- neighbours
@@ -370,6 +376,9 @@ class KernelNeighborsDisplay:
     neighbor_scatters_ : list of matplotlib PathCollection
         One per anchor.
     anchor_scatter_ : matplotlib PathCollection
+    colorbar_ : matplotlib Colorbar or None
+        The colour bar of continuous ``y`` (regression targets or a regressor's
+        predictions), else None.
     ax_ : matplotlib Axes
     figure_ : matplotlib Figure
 
@@ -398,11 +407,19 @@ class KernelNeighborsDisplay:
         """Fraction of each anchor's neighbours that carry their most common label.
 
         1 means a label-homogeneous neighbourhood; ``1 / n_classes`` a fully mixed one.
+        Continuous ``y`` (a regression target) is refused: each value is a label of its
+        own, and the purity of any neighbourhood of distinct values is ``1 / n_neighbors``.
 
         Returns
         -------
         purity : ndarray of shape (n_anchors,)
         """
+        if _continuous(self.y):
+            raise ValueError(
+                "purity counts labels, and y holds continuous values (a regression target "
+                "or a regressor's predictions): compare the neighbours' values, "
+                "y[neighbors], instead."
+            )
         labels = _labels(self.y, len(self.y))[np.asarray(self.neighbors)]
         out = np.empty(labels.shape[0])
         for a, row in enumerate(labels):
@@ -418,7 +435,8 @@ class KernelNeighborsDisplay:
         ax : matplotlib Axes, default=None
             Axes to draw on; None creates a new figure.
         cmap : str or Colormap, default="coolwarm"
-            Colours of the labels.
+            Colours of the labels; continuous ``y`` (regression targets) is drawn by value
+            on this map, read off a colour bar (``colorbar_``).
         legend : bool, default=True
             Name each anchor by its coordinates.
 
@@ -429,18 +447,27 @@ class KernelNeighborsDisplay:
         check_matplotlib_support("KernelNeighborsDisplay.plot")
         ax, fig = _axes(ax)
         X, y = np.asarray(self.X), np.asarray(self.y)
-        classes, codes = np.unique(y, return_inverse=True)
-        vmax = max(len(classes) - 1, 1)
+        if _continuous(y):
+            # Coded by rank as classes, each value was a class of its own: the colours
+            # were spaced by rank, not value, with no scale to read them by.
+            codes = y.astype(np.float64)
+            vmin, vmax = codes.min(), codes.max()
+        else:
+            classes, codes = np.unique(y, return_inverse=True)
+            vmin, vmax = 0, max(len(classes) - 1, 1)
         # The whole set faint, so that the highlighted neighbourhoods stand out.
-        self.scatter_ = ax.scatter(X[:, 0], X[:, 1], c=codes, cmap=cmap, vmin=0, vmax=vmax,
-                                   s=6, alpha=0.25, linewidths=0)
+        self.scatter_ = ax.scatter(X[:, 0], X[:, 1], c=codes, cmap=cmap, vmin=vmin,
+                                   vmax=vmax, s=6, alpha=0.25, linewidths=0)
         self.neighbor_scatters_ = []
         markers = ["o", "s", "^", "D", "v", "P"]
         for a, idx in enumerate(np.asarray(self.neighbors)):
             self.neighbor_scatters_.append(ax.scatter(
-                X[idx, 0], X[idx, 1], c=codes[idx], cmap=cmap, vmin=0, vmax=vmax, s=22,
+                X[idx, 0], X[idx, 1], c=codes[idx], cmap=cmap, vmin=vmin, vmax=vmax, s=22,
                 marker=markers[a % len(markers)], edgecolors="black", linewidths=0.4,
             ))
+        # Opaque, on the neighbours' scale (the faint set's alpha would wash it out).
+        self.colorbar_ = (fig.colorbar((self.neighbor_scatters_ or [self.scatter_])[0], ax=ax)
+                          if _continuous(y) else None)
         A = np.asarray(self.anchors)
         self.anchor_scatter_ = ax.scatter(A[:, 0], A[:, 1], marker="x", c="black", s=80,
                                           linewidths=2.5, zorder=5)

@@ -200,6 +200,23 @@ def test_from_estimator_takes_every_option_of_plot(circle):
     assert RankGapDisplay.from_estimator(clf, X[:5], X[5:8], steps=[-1]).ax_.get_legend()
 
 
+def test_kernel_matrix_im_kw_reaches_imshow(circle):
+    """As ConfusionMatrixDisplay's im_kw: an unnormalized kernel's range on a log scale
+    (no keyword reached imshow beyond cmap, vmin and vmax), the image still carrying the
+    dense loop Gram."""
+    clf, X, y = circle
+    norm = matplotlib.colors.LogNorm()
+    disp = KernelMatrixDisplay.from_estimator(clf, X[:10], normalized=False,
+                                              im_kw={"norm": norm, "aspect": "auto"})
+    assert disp.im_.norm is norm and disp.ax_.get_aspect() == "auto"
+    np.testing.assert_allclose(disp.im_.get_array(), _loop_gram(clf, -1, X[:10],
+                                                                normalized=False),
+                               rtol=1e-10)
+    # The user's keywords win over the display's own; plot takes them too.
+    disp.plot(im_kw={"interpolation": "bilinear", "cmap": "magma"})
+    assert disp.im_.get_interpolation() == "bilinear" and disp.im_.get_cmap().name == "magma"
+
+
 def test_kernel_matrix_path_kernel_unnormalized(circle):
     from skpathkernel.kernels import path_weights
 
@@ -245,6 +262,37 @@ def test_neighbors_rejects_bad_input(circle, multiclass):
         KernelNeighborsDisplay.from_estimator(multiclass[0], [[0, 0, 0]], 3)
     with pytest.raises(ValueError, match="shape"):
         KernelNeighborsDisplay.from_estimator(clf, [[0, 0]], 3, y=y[:5])
+
+
+def test_neighbors_of_a_regressor_draw_values_on_a_colour_bar():
+    """A regressor's continuous predictions (or targets) were coded by rank as classes:
+    colours spaced by rank, not value, no scale, and a purity of 1 / n_neighbors for any
+    neighbourhood. Values are drawn on the map by value, with a colour bar; purity,
+    which counts labels, is refused."""
+    import matplotlib as mpl
+
+    X, y = make_circle(n_samples=30, random_state=0)
+    target = np.sin(3 * X[:, 0]) + X[:, 1]
+    reg = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, tol=None, dtype="float64",
+                            random_state=0).fit(X, target)
+    anchors = np.array([[0.1, 0.2], [-0.5, 0.3]])
+    for given, values in ((None, reg.predict(X)), (target, target)):
+        disp = KernelNeighborsDisplay.from_estimator(reg, anchors, 5, y=given)
+        assert disp.colorbar_ is not None
+        norm = mpl.colors.Normalize(values.min(), values.max())
+        disp.figure_.canvas.draw()  # the values' colours are mapped when drawn
+        for idx, scatter in zip(disp.neighbors, disp.neighbor_scatters_):
+            np.testing.assert_allclose(scatter.get_facecolors(),
+                                       mpl.colormaps["coolwarm"](norm(values[idx])),
+                                       atol=1e-12)
+        with pytest.raises(ValueError, match="continuous"):
+            disp.purity()
+    # Labels stay classes, without a colour bar, and keep their purity.
+    disp = KernelNeighborsDisplay.from_estimator(reg, anchors, 5, y=y)
+    assert disp.colorbar_ is None
+    np.testing.assert_allclose(
+        disp.purity(), [np.unique(y[i], return_counts=True)[1].max() / 5
+                        for i in disp.neighbors])
 
 
 # --------------------------------------------------------------------------- evolution

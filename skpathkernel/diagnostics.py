@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from sklearn.pipeline import Pipeline
 from sklearn.utils import check_array, check_random_state
 from sklearn.utils._param_validation import validate_params
 from sklearn.utils.validation import check_consistent_length, check_is_fitted, column_or_1d
@@ -137,8 +138,13 @@ class HessianTracePath:
         return len(self.steps)
 
 
+# A Pipeline passes validate_params so that network_of refuses it with its hint (pass
+# pipe[-1], on pipe[:-1].transform(X)), as the kernels do: validate_params' own message
+# named private classes and no way out.
+_ESTIMATOR = [FittedNetworkMixin, RecordedNetwork, Pipeline]
+
 _COMMON_CONSTRAINTS = {
-    "estimator": [FittedNetworkMixin, RecordedNetwork],
+    "estimator": _ESTIMATOR,
     "X": ["array-like", None],
     "y": ["array-like", "sparse matrix", None],
     "sample_weight": ["array-like", None],
@@ -181,7 +187,10 @@ def hessian_trace(estimator, X=None, y=None, *, sample_weight=None, n_samples=10
         :class:`~skpathkernel.PathRecorder`, with its ``loss``) is the network it holds,
         and its ``y`` is in the terms of that loss, as its ``y_train``. Its network is
         evaluated as it is (``module_`` is in evaluation mode after ``fit``) with the
-        parameters of recorded point ``step``; the estimator is not modified.
+        parameters of recorded point ``step``; the estimator is not modified. A
+        :class:`~sklearn.pipeline.Pipeline` ending in one is refused with a
+        ``TypeError``: pass its last step, ``pipe[-1]`` (whose ``X_fit_`` are the
+        transformed training inputs), and an explicit ``X`` as ``pipe[:-1].transform(X)``.
     X : array-like of shape (n_samples_X, n_features) or (n_samples_X, ...), default=None
         Inputs, in the form of the training inputs (``input_shape_``). ``None``: the
         training inputs ``X_fit_``.
@@ -296,7 +305,7 @@ def hessian_trace_path(estimator, X=None, y=None, *, sample_weight=None, steps=N
 
 @validate_params(
     {
-        "estimator": [FittedNetworkMixin, RecordedNetwork],
+        "estimator": _ESTIMATOR,
         "X": ["array-like", None],
         "y": ["array-like", "sparse matrix", None],
         "steps": ["array-like", count(1), None],

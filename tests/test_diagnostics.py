@@ -10,6 +10,8 @@ import scipy.sparse as sp
 import torch
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine, PathRecorder
 from skpathkernel.diagnostics import (
@@ -655,3 +657,21 @@ def test_a_recorded_conv_loop_without_training_inputs():
     res = hessian_trace_path(recorded, X, y, steps=[-1], n_samples=20, random_state=0)
     np.testing.assert_allclose(res.estimates[0], np.einsum("jp,pq,jq->j", V, H, V),
                                rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("function", [hessian_trace, hessian_trace_path, loss_path])
+def test_a_pipeline_is_refused_with_the_way_to_its_network(function):
+    """validate_params refused a Pipeline naming private classes and no way out; it now
+    gets the kernels' hint, and the way it gives is the exact trace of the last step's
+    loss on the transformed inputs."""
+    X = np.random.RandomState(0).normal(size=(16, 2)) * [1.0, 5.0] + 3.0
+    y = np.sin(X[:, 0]) + 0.1 * X[:, 1]
+    pipe = make_pipeline(StandardScaler(), PathKernelMachine(
+        hidden_layer_sizes=(3,), activation="tanh", max_iter=3, tol=None, dtype="float64",
+        normalize_y=False, random_state=0)).fit(X, y)
+    with pytest.raises(TypeError, match=r"pipe\[-1\].*pipe\[:-1\]\.transform\(X\)"):
+        function(pipe)
+    est, Z = pipe[-1], pipe[:-1].transform(X)
+    exact = np.trace(_exact_hessian(est, X=Z, Y=y))
+    res = hessian_trace(est, Z, y, n_samples=400, random_state=0)
+    assert abs(res.trace - exact) < 4 * res.stderr

@@ -366,6 +366,11 @@ class KernelNeighborsDisplay:
         The points whose kernel neighbours are drawn.
     neighbors : ndarray of int of shape (n_anchors, n_neighbors)
         Indices into ``X`` of each anchor's neighbours.
+    distances : ndarray of shape (n_anchors, n_neighbors), default=None
+        Their distances to the anchor, increasing along each row: in the kernel's feature
+        space (``sqrt(2 - 2 K_hat)`` for the normalized kernel, see
+        :meth:`~skpathkernel.PathKernelMachine.kneighbors`) or Euclidean in input space.
+        Not drawn; :meth:`from_estimator` fills it.
     title : str, default=None
         Title of the axes.
 
@@ -396,11 +401,12 @@ class KernelNeighborsDisplay:
     ((1, 5), 1.0)
     """
 
-    def __init__(self, X, y, anchors, neighbors, *, title=None):
+    def __init__(self, X, y, anchors, neighbors, *, distances=None, title=None):
         self.X = X
         self.y = y
         self.anchors = anchors
         self.neighbors = neighbors
+        self.distances = distances
         self.title = title
 
     def purity(self) -> np.ndarray:
@@ -573,16 +579,17 @@ class KernelNeighborsDisplay:
                 )
             d = ((anchors[:, None, :] - X[None, :, :]) ** 2).sum(-1)
             neighbors = np.argsort(d, axis=1, kind="stable")[:, :n_neighbors]
+            distances = np.sqrt(np.take_along_axis(d, neighbors, axis=1))
             title = f"{n_neighbors} nearest training points, Euclidean"
         else:
             # A RecordedNetwork has no kneighbors: its network's (an estimator's own
             # also checks the anchors' column names against the fit's).
             finder = estimator if hasattr(estimator, "kneighbors") else net
-            neighbors = finder.kneighbors(queries, n_neighbors, kernel=kernel, step=step,
-                                          normalized=normalized, return_distance=False)
+            distances, neighbors = finder.kneighbors(queries, n_neighbors, kernel=kernel,
+                                                     step=step, normalized=normalized)
             title = (f"{n_neighbors} nearest under the "
                      f"{_kernel_label(kernel, step, normalized, net.trajectory.steps)}")
-        disp = cls(X, y, anchors, neighbors, title=title)
+        disp = cls(X, y, anchors, neighbors, distances=distances, title=title)
         return disp.plot(ax=ax, cmap=cmap, legend=legend)
 
 

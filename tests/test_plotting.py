@@ -264,6 +264,27 @@ def test_neighbors_rejects_bad_input(circle, multiclass):
         KernelNeighborsDisplay.from_estimator(clf, [[0, 0]], 3, y=y[:5])
 
 
+@pytest.mark.parametrize("kernel, step", [("tangent", -1), ("tangent", 2),
+                                          ("euclidean", -1)])
+def test_neighbors_display_holds_their_distances(circle, kernel, step):
+    """The display held the neighbours' indices only: how near they are (the numbers a
+    figure's caption quotes) had to be computed again. Against the loop Gram's
+    ``sqrt(2 - 2 K_hat)`` and the Euclidean norm, brute force."""
+    clf, X, y = circle
+    anchors = np.array([[0.3, -0.2], [-0.6, 0.5]])
+    disp = KernelNeighborsDisplay.from_estimator(clf, anchors, 6, y=y, kernel=kernel,
+                                                 step=step)
+    if kernel == "euclidean":
+        full = np.linalg.norm(anchors[:, None] - X[None], axis=-1)
+    else:
+        full = np.sqrt(np.clip(2 - 2 * _loop_gram(clf, step, anchors, X), 0, None))
+    np.testing.assert_allclose(disp.distances,
+                               np.take_along_axis(full, disp.neighbors, axis=1),
+                               rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(disp.distances, np.sort(full, axis=1)[:, :6],
+                               rtol=1e-9, atol=1e-12)
+
+
 def test_neighbors_of_a_regressor_draw_values_on_a_colour_bar():
     """A regressor's continuous predictions (or targets) were coded by rank as classes:
     colours spaced by rank, not value, no scale, and a purity of 1 / n_neighbors for any

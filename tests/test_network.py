@@ -618,3 +618,39 @@ def test_class_codes_beyond_the_outputs_are_refused_from_every_row(bad):
             verb()
     # The right codes decompose the network exactly.
     assert rec.as_estimator(X, y, loss="log_loss").decompose(X[:2]).error < 1e-10
+
+
+def test_image_targets_of_an_image_output_say_how_to_flatten_them():
+    """A generator returning images, (n, 1, 2, 2), trained on image targets: the analyses
+    read its outputs flattened per sample, and ``loss="squared_error"`` refused the image
+    targets saying only that their shape differs from the 4 outputs. The error now says to
+    flatten them; flattened (C order), the decomposition closes on the module's output."""
+    gen = torch.Generator().manual_seed(0)
+    Z = torch.randn(6, 2, generator=gen, dtype=torch.float64)
+    Y = torch.rand(6, 1, 2, 2, generator=gen, dtype=torch.float64)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(2, 4).double()
+
+    class Images(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, z):
+            return torch.tanh(self.lin(z)).reshape(-1, 1, 2, 2)
+
+    module = Images()
+    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    with PathRecorder(module, opt, n_samples=6) as rec:
+        for _ in range(3):
+            opt.zero_grad()
+            (0.5 * (module(Z) - Y).pow(2).mean()).backward()
+            rec.set_batch(np.arange(6))
+            opt.step()
+    with pytest.raises(ValueError, match=r"reshape\(len\(y_train\), -1\)"):
+        rec.as_estimator(Z.numpy(), Y.numpy()).decompose(Z.numpy()[:2])
+    res = rec.as_estimator(Z.numpy(), Y.reshape(6, -1).numpy()).decompose(Z.numpy())
+    with torch.no_grad():
+        truth = module(Z).reshape(6, -1).numpy()
+    np.testing.assert_allclose(res.initial + res.contributions.sum(1) + res.regularization,
+                               truth, rtol=0, atol=1e-12)

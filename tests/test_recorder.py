@@ -297,6 +297,87 @@ def test_a_misdeclared_loss_on_a_relu_network_is_not_blamed_on_the_quadrature(
     assert any("reconstruction misses" in m for m in messages) == misdeclared
 
 
+class _NoisyLatent(torch.nn.Module):
+    """A VAE's reparameterisation written the natural way: the noise drawn in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dec = torch.nn.Linear(2, 4), torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = self.enc(x)
+        return self.dec(torch.tanh(h + 0.5 * torch.randn_like(h)))
+
+
+def test_a_random_forward_is_named_by_the_quadrature_warning(data):
+    """With noise drawn inside forward the exact quadrature never converges (every node
+    draws anew); the warning named only relu and large steps, sending the user to the
+    learning rate. It now names a forward that draws at random and what to do, and the
+    miss is reported, not hidden."""
+    X, y, _ = data
+    torch.manual_seed(0)
+    module = _NoisyLatent().double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        for _ in range(3):
+            opt.zero_grad()
+            (0.5 * (module(torch.as_tensor(X))[:, 0] - torch.as_tensor(y)).pow(2).mean()
+             ).backward()
+            rec.set_batch(np.arange(len(X)))
+            opt.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        net = rec.as_estimator(X, y)
+        res = net.decompose(X[:3])
+    messages = [str(w.message) for w in caught]
+    assert any("different outputs for the same input" in m for m in messages)
+    quadrature = [m for m in messages if "did not reach tol" in m]
+    assert quadrature and "draws at random" in quadrature[0]
+    assert "declare its draws as inputs" in quadrature[0]
+    assert res.error > 1e-6
+
+
+def test_a_decoder_is_recorded_with_its_own_optimizer():
+    """A VAE user recording the decoder alone, the latents ``z_i`` of each step declared
+    with their images as targets: one optimizer over the whole VAE is refused, and the
+    error said only why; it now says how (its own optimizer), and with two optimizers the
+    decoder's decomposition at new latents closes on the decoder's own output."""
+    gen = torch.Generator().manual_seed(0)
+    X = torch.rand(6, 3, generator=gen, dtype=torch.float64)
+    eps = torch.randn(3, 6, 1, generator=gen, dtype=torch.float64)
+    torch.manual_seed(0)
+    enc = torch.nn.Linear(3, 2).double()  # mu and log-variance of a 1-D latent
+    dec = torch.nn.Sequential(torch.nn.Linear(1, 4), torch.nn.SiLU(),
+                              torch.nn.Linear(4, 3)).double()
+    with pytest.raises(ValueError, match="its own optimizer"):
+        PathRecorder(dec, torch.optim.SGD([*enc.parameters(), *dec.parameters()], lr=0.1))
+    opt_e = torch.optim.SGD(enc.parameters(), lr=0.1)
+    opt_d = torch.optim.Adam(dec.parameters(), lr=0.05)
+    Z = torch.empty(18, 1, dtype=torch.float64)
+    with PathRecorder(dec, opt_d, n_samples=18) as rec:
+        for t in range(3):
+            h = enc(X)
+            z = h[:, :1] + torch.exp(0.5 * h[:, 1:]) * eps[t]
+            Z[6 * t:6 * t + 6] = z.detach()
+            kl = 0.5 * (h[:, :1] ** 2 + h[:, 1:].exp() - h[:, 1:] - 1).sum(1)
+            loss = (0.5 * (dec(z) - X).pow(2).sum(1) + kl).mean()
+            opt_e.zero_grad(), opt_d.zero_grad()
+            loss.backward()
+            rec.set_batch(np.arange(6 * t, 6 * t + 6))
+            opt_e.step(), opt_d.step()
+
+    def recon(out, y):
+        return 0.5 * (out - y).pow(2).sum(1)
+
+    Y = np.tile(X.numpy(), (3, 1))
+    zq = np.linspace(-2, 2, 5).reshape(-1, 1)
+    res = rec.as_estimator(Z.numpy(), Y, loss=recon).decompose(zq)
+    with torch.no_grad():
+        truth = dec(torch.as_tensor(zq)).numpy()
+    assert_allclose(res.initial + res.contributions.sum(1) + res.regularization, truth,
+                    rtol=0, atol=1e-12)
+
+
 def test_record_every_keeps_the_total_step_size_and_the_last_point(data):
     X, y, Xq = data
     Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))

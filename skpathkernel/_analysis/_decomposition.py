@@ -2763,7 +2763,9 @@ def finish(result: Decomposition, checks: _Checks, units=None,
             "by the rule with a node more, need not measure a single "
             "contribution's error. A non-smooth activation (relu) or very large steps make the "
             "integrand hard to integrate; a smaller learning rate or a smooth activation "
-            f"helps.{_capped_note(checks)}",
+            "helps. A forward that draws at random (noise, dropout) differs at every node "
+            "and never converges: declare its draws as inputs (its warning when the "
+            f"network was built says so).{_capped_note(checks)}",
             ConvergenceWarning, stacklevel=caller_stacklevel(),
         )
     elif missed is not None:

@@ -1021,10 +1021,14 @@ ValueError
                         f"{C} outputs, but y_train holds {low if low < 0 else high}.")
             if (not custom and self.loss.name == "squared_error"
                     and tuple(Y.shape[1:]) != tuple(out.shape[1:])):
+                flat = int(np.prod(Y.shape[1:])) == out.shape[1] and Y.dim() > 2
                 raise ValueError(
                     f"{what} compares every output with its own target, but y_train has "
                     f"{tuple(Y.shape[1:])} values per sample and the network "
-                    f"{out.shape[1]} outputs.")
+                    f"{out.shape[1]} outputs."
+                    + (" Every analysis flattens the module's outputs per sample (an "
+                       "image's pixels in C order): flatten the targets the same way, "
+                       "y_train.reshape(len(y_train), -1)." if flat else ""))
             try:
                 probe = self.loss.per_sample(out, Y[:2])
             except (RuntimeError, ValueError, IndexError) as exc:

@@ -731,8 +731,12 @@ class PathRecorder:
         named = [(n, p) for n, p in inner.named_parameters() if id(p) in in_optimizer]
         if len(named) != len(in_optimizer):
             raise ValueError(
-                "The optimizer updates tensors that are not parameters of the module; the "
-                "recorder needs every updated tensor to be a named module parameter."
+                f"The optimizer updates {len(in_optimizer) - len(named)} tensors that are "
+                "not parameters of the module; the recorder needs every updated tensor to "
+                "be a named module parameter. To record a part of a model (a VAE's "
+                "decoder), give that part its own optimizer (SGD, Adam, AdamW and RMSprop "
+                "update each parameter on its own, so two optimizers train as one does), "
+                "or record the module that holds every parameter."
             )
         # torch.optim skips a parameter without a gradient: one frozen now
         # (requires_grad=False) is a constant of the path, as a parameter the optimizer

@@ -452,5 +452,7 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
 
 
 def flat_targets(X: np.ndarray) -> np.ndarray:
-    """Every value of a sample as a target (its flat view for ``(n, ...)`` inputs)."""
-    return X.reshape(len(X), -1).astype(np.float64)
+    """Every value of a sample as a target (its flat view for ``(n, ...)`` inputs); a
+    single value 1-D, which the regressor takes without its column-vector warning."""
+    T = X.reshape(len(X), -1).astype(np.float64)
+    return T[:, 0] if T.shape[1] == 1 else T

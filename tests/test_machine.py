@@ -9,8 +9,9 @@ import pytest
 import torch
 from _reference import features_loop, module_at, zero_feature_network
 from numpy.testing import assert_allclose, assert_array_equal
-from sklearn.exceptions import NotFittedError
+from sklearn.exceptions import DataConversionWarning, NotFittedError
 from sklearn.neighbors import NearestNeighbors
+from sklearn.neural_network import MLPRegressor
 
 from skpathkernel import (
     PathKernel,
@@ -304,3 +305,27 @@ def test_predict_warns_of_rows_where_the_network_outputs_nan(n_classes):
     rec = RecordedNetwork(est.module_, est.trajectory_, X_train=X)
     with pytest.warns(RuntimeWarning, match="NaN or inf at 2 of 5"):
         rec.predict(Q)
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+@pytest.mark.parametrize("method", ["fit", "partial_fit"])
+def test_column_target_predicts_1d_as_mlp_regressor(method):
+    # scikit-learn's MLPRegressor takes a column y (n, 1) as 1-D, with a
+    # DataConversionWarning, and predicts (n,); PathKernelMachine predicted (n, 1).
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(20, 3))
+    y = X[:, 0] - X[:, 1] ** 2
+    mlp = MLPRegressor(hidden_layer_sizes=(4,), max_iter=2, random_state=0)
+    with pytest.warns(DataConversionWarning, match="column-vector y"):
+        getattr(mlp, method)(X, y[:, None])
+    params = dict(hidden_layer_sizes=(4,), max_iter=3, tol=None, dtype="float64",
+                  random_state=0)
+    with pytest.warns(DataConversionWarning, match="column-vector y"):
+        column = getattr(PathKernelMachine(**params), method)(X, y[:, None])
+    flat = getattr(PathKernelMachine(**params), method)(X, y)
+    assert column.predict(X).shape == mlp.predict(X).shape == (len(X),)
+    assert column.n_outputs_ == mlp.n_outputs_ == 1
+    assert_array_equal(column.predict(X), flat.predict(X))
+    # Two columns stay two, as MLPRegressor's.
+    two = PathKernelMachine(**params).fit(X, np.c_[y, -y])
+    assert two.predict(X).shape == (len(X), 2)

@@ -10,6 +10,7 @@ naming it.
 import inspect
 import pickle
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -37,6 +38,7 @@ from skpathkernel import (
     PathRecorder,
     TangentFeatures,
     TangentFeatureSVM,
+    TangentKernel,
 )
 from skpathkernel.datasets import make_circle
 
@@ -114,6 +116,32 @@ def test_a_frozen_trainer_refuses_named_columns_in_another_order(cls, circle):
     phi = TangentFeatures(FrozenEstimator(clf)).fit(df, y).transform(df[:5])
     np.testing.assert_allclose(phi, features_loop(clf.module_, X[:5]), rtol=1e-10,
                                atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", META, ids=lambda c: c.__name__)
+def test_the_trainer_fitted_on_named_columns_keeps_their_names(cls, circle):
+    """The trainer fitted here saw named columns, as MultiOutputRegressor's and
+    TransformedTargetRegressor's inner estimators, given X as it is, see them: a kernel
+    over estimator_ took reordered ones by position without a word, and its verbs warned
+    that it was fitted without names."""
+    pd = pytest.importorskip("pandas")
+    X, y = circle
+    df = pd.DataFrame(X, columns=["a", "b"])
+    est = cls(PathKernelClassifier(**SMALL)).fit(df, y)
+    assert_array_equal(est.estimator_.feature_names_in_, ["a", "b"])
+    ref = MultiOutputRegressor(Ridge()).fit(df, np.c_[y, y])
+    assert_array_equal(ref.estimators_[0].feature_names_in_, ["a", "b"])
+    with pytest.raises(ValueError, match="feature names should match"):
+        TangentKernel(est.estimator_)(df[["b", "a"]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        K = TangentKernel(est.estimator_)(df[:5], df)
+        est.estimator_.predict(df[:5])
+    phi = features_loop(est.module_, X)
+    assert_allclose(K, phi[:5] @ phi.T, rtol=1e-10, atol=1e-12)
+    # Unnamed X: no names, as before.
+    assert not hasattr(cls(PathKernelClassifier(**SMALL)).fit(X, y).estimator_,
+                       "feature_names_in_")
 
 
 def test_a_frozen_trainer_reads_the_x_it_is_given(circle):

@@ -16,9 +16,12 @@ import numpy as np
 import pytest
 import torch
 from _reference import features_loop, forward_recursion, gauss_nodes, jacobian_loop, module_at
+from sklearn.compose import TransformedTargetRegressor
 from sklearn.exceptions import NotFittedError
 from sklearn.frozen import FrozenEstimator
 from sklearn.linear_model import Ridge
+from sklearn.model_selection import GridSearchCV
+from sklearn.multioutput import MultiOutputRegressor
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
@@ -113,6 +116,33 @@ def test_network_of_every_producer(clf, data):
     Z = pipe[:-1].transform(X)
     J = jacobian_loop(pipe[-1].module_, torch.as_tensor(Z))
     np.testing.assert_allclose(TangentKernel(pipe[-1])(Z), (J[:, 0] @ J[:, 0].T).numpy(),
+                               rtol=1e-10)
+
+
+@pytest.mark.parametrize("wrapper", ["search", "transformed_target", "multi_output"])
+def test_a_wrapper_around_a_network_names_where_the_network_is(wrapper):
+    # A regression user's wrappers hold the fitted network under their own names; the
+    # error named none, only the pipeline's. The named way gives the network's kernel.
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(16, 2))
+    y = X[:, 0] - X[:, 1]
+    reg = PathKernelMachine(hidden_layer_sizes=(3,), max_iter=2, tol=None, dtype="float64",
+                            random_state=0)
+    obj, attr, inner = {
+        "search": (GridSearchCV(reg, {"alpha": [1e-4]}, cv=2), "best_estimator_",
+                   lambda o: o.best_estimator_),
+        "transformed_target": (TransformedTargetRegressor(reg, func=np.tanh,
+                                                          inverse_func=np.arctanh,
+                                                          check_inverse=False),
+                               "regressor_", lambda o: o.regressor_),
+        "multi_output": (MultiOutputRegressor(reg), "estimators_[i]",
+                         lambda o: o.estimators_[1]),
+    }[wrapper]
+    obj.fit(X, np.c_[y, -y] if wrapper == "multi_output" else 0.5 * np.tanh(y))
+    with pytest.raises(TypeError, match=re.escape(attr)):
+        TangentKernel(obj)(X)
+    J = jacobian_loop(inner(obj).module_, torch.as_tensor(X))
+    np.testing.assert_allclose(TangentKernel(inner(obj))(X), (J[:, 0] @ J[:, 0].T).numpy(),
                                rtol=1e-10)
 
 

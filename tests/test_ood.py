@@ -17,7 +17,7 @@ import torch
 from _reference import features_loop, module_at, own_loop
 from sklearn.base import clone
 from sklearn.datasets import load_digits
-from sklearn.exceptions import ConvergenceWarning, NotFittedError
+from sklearn.exceptions import ConvergenceWarning, DataConversionWarning, NotFittedError
 from sklearn.frozen import FrozenEstimator
 from sklearn.model_selection import train_test_split
 from sklearn.pipeline import make_pipeline
@@ -1411,3 +1411,18 @@ def test_tangent_features_that_overflow_float64_are_refused_and_change_nothing(m
     np.testing.assert_array_equal(det.score_samples(X[:3]), before[0])
     assert det.rank_gap(X[:3]) == before[1]
     assert torch.equal(det.estimator_.trajectory_.parameters(-1), trained)
+
+
+def test_reconstructing_a_single_feature_trains_on_it_as_1d_targets():
+    # The reconstruction targets of one-feature X are a column, which PathKernelMachine
+    # takes as MLPRegressor does (1-D, with a DataConversionWarning): the detector passes
+    # them 1-D, warning nothing the user did not do, and trains the same network.
+    X = np.random.RandomState(0).normal(size=(20, 1))
+    params = dict(hidden_layer_sizes=(3,), max_iter=2, tol=None, dtype="float64",
+                  random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DataConversionWarning)
+        det = OODRankDetector(PathKernelMachine(**params)).fit(X)
+    ref = PathKernelMachine(**params).fit(X, X[:, 0])
+    np.testing.assert_array_equal(det.trajectory_.parameters(-1), ref.trajectory_.parameters(-1))
+    assert det.n_outputs_ == 1

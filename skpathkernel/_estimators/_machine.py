@@ -701,6 +701,14 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         )
         self.normalize_y = normalize_y
 
+    def _validate_y(self, X, y, **kwargs):
+        X, y = super()._validate_y(X, y, **kwargs)
+        if y.ndim == 2 and y.shape[1] == 1:
+            # MLPRegressor's: a column is one output, with a DataConversionWarning, and
+            # predict returns it 1-D (it returned (n, 1), where MLPRegressor's is (n,)).
+            y = column_or_1d(y, warn=True)
+        return X, y
+
     def _encode_targets(self, y, classes=None):
         self_y_2d = y.ndim == 2
         Y = y.reshape(len(y), -1)
@@ -716,7 +724,9 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
             2-D for the default MLP; with ``module``, any ``(n_samples, ...)`` array:
             floats, or integer token ids.
         y : array-like of shape (n_samples,) or (n_samples, n_outputs)
-            Real-valued targets.
+            Real-valued targets. A column of shape ``(n_samples, 1)`` is taken as 1-D,
+            with a ``DataConversionWarning``, as by
+            :class:`~sklearn.neural_network.MLPRegressor`.
         sample_weight : array-like of shape (n_samples,), default=None
             Non-negative weights of the samples, relative as in ``np.average``: each
             batch's loss is their weighted mean, ``sum_i s_i l_i / sum_i s_i`` over
@@ -789,7 +799,9 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         Returns
         -------
         y_pred : ndarray of shape (n_samples,) or (n_samples, n_outputs)
-            Two-dimensional when ``y`` was two-dimensional at fit time.
+            Two-dimensional when ``y`` had more than one column at fit time; a column
+            ``y`` of shape ``(n_samples, 1)`` predicts ``(n_samples,)``, as in
+            :class:`~sklearn.neural_network.MLPRegressor`.
         """
         out = in_target_units(self._forward(X), self._y_mean, self._y_scale)
         return out if self._y_2d else out[:, 0]

@@ -36,6 +36,7 @@ from sklearn.utils.metadata_routing import (
     process_routing,
 )
 from sklearn.utils.multiclass import type_of_target
+from sklearn.utils.validation import _check_feature_names
 
 from .._network._inputs import (
     FEATURES,
@@ -80,6 +81,8 @@ FITTED_DOC = """
     estimator_ : PathKernelMachine, PathKernelClassifier or RecordedNetwork
         The fitted trainer: a clone of ``estimator`` (or the default one) fitted here, or
         the trainer inside a ``FrozenEstimator`` (or a bare ``RecordedNetwork``), itself.
+        One fitted here on a DataFrame has its column names (``feature_names_in_``), as
+        the inner estimators of :class:`sklearn.multioutput.MultiOutputRegressor` have.
     network_ : TrainedNetwork
         ``estimator_``'s network and its recorded path, which the kernels
         (``tangent_kernel_``, ``path_kernel_``) and the displays read. ``module_``,
@@ -378,6 +381,7 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
             sample_weight = _check_weights(sample_weight, X)
             self._check_weighted(X, y, sample_weight)
             return X, y, True, sample_weight
+        given = X
         X, y = self._validate_fit_data(X, y, flexible=getattr(inner, "module", None) is not None)
         self._check_targets(y)
         same = to_trainer is sample_weight
@@ -394,6 +398,11 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         # keeps working unweighted (equal weights are None here, the unweighted fit).
         weighted = {} if to_trainer is None else {"sample_weight": to_trainer}
         trainer.fit(X, y if target is None else target(X), **weighted, **other)
+        # The trainer saw this fit's columns: their names, as those of MultiOutputRegressor's
+        # or TransformedTargetRegressor's inner estimators, which are given X as it is.
+        # Fitted on the validated array, estimator_ had none, and a kernel over it took
+        # reordered columns by position without a word.
+        _check_feature_names(trainer, given, reset=True)
         self.estimator_, self.X_fit_, self._n_outputs = trainer, trainer.X_fit_, None
         self.train_indices_ = trainer.train_indices_
         return X, y, False, sample_weight
@@ -452,5 +461,7 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
 
 
 def flat_targets(X: np.ndarray) -> np.ndarray:
-    """Every value of a sample as a target (its flat view for ``(n, ...)`` inputs)."""
-    return X.reshape(len(X), -1).astype(np.float64)
+    """Every value of a sample as a target (its flat view for ``(n, ...)`` inputs); a
+    single value 1-D, which the regressor takes without its column-vector warning."""
+    T = X.reshape(len(X), -1).astype(np.float64)
+    return T[:, 0] if T.shape[1] == 1 else T

@@ -1234,15 +1234,10 @@ def network_of(obj) -> TrainedNetwork:
             raise
         # A fitted estimator of another library (Ridge, a Pipeline): not fitting it again
         # is not what would help.
-        hint = ""
-        steps = getattr(obj, "steps", None)
-        if steps and hasattr(steps[-1][1], "network_"):
-            # The network sees the inputs its pipeline's earlier steps transform.
-            hint = (" For a pipeline ending in one, pass its last step (pipe[-1]) and "
-                    "inputs transformed by the steps before it (pipe[:-1].transform(X)).")
         raise TypeError(
             f"{type(obj).__name__} exposes no fitted network (network_): pass a fitted "
-            f"skpathkernel estimator, a RecordedNetwork or a TrainedNetwork.{hint}"
+            f"skpathkernel estimator, a RecordedNetwork or a TrainedNetwork."
+            f"{_wrapped_network_hint(obj)}"
         ) from None
     net = obj.network_
     if not isinstance(net, TrainedNetwork):
@@ -1253,6 +1248,28 @@ def network_of(obj) -> TrainedNetwork:
     if budget is not None and int(budget) != net.memory_budget:
         net = net.replace(memory_budget=int(budget))
     return net
+
+
+def _wrapped_network_hint(obj) -> str:
+    """Where a scikit-learn wrapper fitted around a network keeps it, for the error of a
+    kernel or function given the wrapper (a search, TransformedTargetRegressor,
+    MultiOutputRegressor), which names no way to the network inside."""
+    steps = getattr(obj, "steps", None)
+    if steps and hasattr(steps[-1][1], "network_"):
+        # The network sees the inputs its pipeline's earlier steps transform.
+        return (" For a pipeline ending in one, pass its last step (pipe[-1]) and "
+                "inputs transformed by the steps before it (pipe[:-1].transform(X)).")
+    for name in ("best_estimator_", "regressor_", "estimator_"):
+        if hasattr(getattr(obj, name, None), "network_"):
+            # TransformedTargetRegressor's network is trained on func(y).
+            units = (", whose network was trained on the transformed targets"
+                     if name == "regressor_" else "")
+            return f" Pass the fitted estimator it holds, {name}{units}."
+    inner = getattr(obj, "estimators_", None)
+    if isinstance(inner, list) and inner and hasattr(inner[0], "network_"):
+        return (" It holds one fitted estimator per target in estimators_: pass one of "
+                "them, estimators_[i].")
+    return ""
 
 
 def _fitted(estimator) -> bool:

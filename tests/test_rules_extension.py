@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.utils import parametrizations
 
 import skpathkernel._tangent._generic as generic_module
-from skpathkernel import PathKernelMachine
+from skpathkernel import PathKernelMachine, PathRecorder, RecordedNetwork
 from skpathkernel._tangent import capture, tangent_features, tangent_gram
 from skpathkernel.rules import (
     FallbackWarning,
@@ -382,6 +382,32 @@ def test_one_warning_per_fit_when_fallback_layers_hold_much(slow):
         # 72 of 113 parameters: the share, the layer and the reason are named.
         assert "64%" in str(fallback[0].message) and "slow (_MyLinear, 72" in str(
             fallback[0].message)
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_a_recorded_loop_warns_as_the_fit_does(slow):
+    # A user's own loop reached the same fallback without a word: only the estimators'
+    # fit warned. Building its network with the training inputs now warns the same.
+    X = np.random.RandomState(0).uniform(-1, 1, size=(12, 3))
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(X[:, :1])
+    torch.manual_seed(0)
+    module = _Fallback(3, 1, slow).double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with PathRecorder(module, opt) as rec:
+        for _ in range(2):
+            opt.zero_grad()
+            (0.5 * (module(Xt) - Yt) ** 2).mean().backward()
+            opt.step()
+    for build in (lambda: rec.as_network(X), lambda: RecordedNetwork(module, rec.trajectory,
+                                                                      X_train=X)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            build()
+        fallback = [w for w in seen if issubclass(w.category, FallbackWarning)]
+        assert len(fallback) == (1 if slow else 0)
+        if slow:
+            assert "slow (_MyLinear, 72" in str(fallback[0].message)
+            assert fallback[0].filename == __file__  # the user's line
 
 
 def test_the_user_guide_code_runs(registered):

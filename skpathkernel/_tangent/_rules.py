@@ -202,8 +202,13 @@ class Rule:
         on intermediate tensors (attention's projections): returns the call's result and
         a list of ``(a, z)`` pairs, samples first, where ``z`` is computed from ``a`` and the
         parameters by differentiable torch operations and the result from the ``z``.
-        ``None`` declines (the call runs as is and the layer goes to the fallback). Without
-        ``expand`` the call is one site, ``(args[0], result)``.
+        ``None`` declines (the call runs as is and the layer goes to the fallback), and so
+        does a string, which says why (:func:`layer_routes` shows it). Without ``expand``
+        the call is one site, ``(args[0], result)``.
+    call_inputs : bool, default=False
+        Call ``expand`` with a fifth argument, the positional arguments of the layer's own
+        call (its ``forward``'s inputs): for what the operation's arguments do not carry
+        (a ``PackedSequence``'s sample order, which ``torch.lstm`` does not take).
 
     Examples
     --------
@@ -237,7 +242,8 @@ class Rule:
     factors: Callable[[nn.Module, Use, tuple[torch.Tensor, ...], dict[str, str]], list[Term]]
     accepts: Callable[[nn.Module, Use], bool] | None = None
     expand: Callable[[nn.Module, Callable, tuple, dict],
-                     tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]] | None] | None = None
+                     tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]] | str | None] | None = None
+    call_inputs: bool = False
 
 
 RULES: dict[type, Rule] = {}

@@ -20,6 +20,7 @@ Usage: ``taskset -c 0 python -m benchmarks.bench_recurrent_ab [RESULTS]`` (RESUL
 ``recurrent_ab``). Writes ``benchmarks/results/RESULTS.md`` and ``.json``.
 """
 
+import functools
 import json
 import os
 import statistics
@@ -76,9 +77,10 @@ def _vmaps(net, params, X) -> bool:
     return True
 
 
-def three_sides(net, params, X, cell, output, vmapped, reps):
+def three_sides(net, params, X, cell, output, peer, reps):
     """Each side's CPU times and last Gram: the fallback (``cell``'s rule out of the
-    registry), the rule, and torch.func (:func:`_peer`), alternating ``reps`` times."""
+    registry), the rule, and torch.func (``peer(net, params, X, output)``), alternating
+    ``reps`` times."""
     rule = RULES[cell]
     times = {k: [] for k in ("fallback", "rule", "torch.func")}
     out = {}
@@ -94,7 +96,7 @@ def three_sides(net, params, X, cell, output, vmapped, reps):
                              if r.type == cell.__name__}
                     assert route == {"fallback" if side == "fallback" else "rule"}
                 start = time.thread_time()
-                out[side] = (_peer(net, params, X, output, vmapped) if side == "torch.func"
+                out[side] = (peer(net, params, X, output) if side == "torch.func"
                              else tangent_gram(net, params, X, output=output))
                 times[side].append(time.thread_time() - start)
     finally:
@@ -114,7 +116,8 @@ def main():
         vmapped = _vmaps(net, params, torch.randint(0, V, (2, S)))
         for n, output in ((256, "trace"), (256, "full"), (1024, "trace")):
             X = torch.randint(0, V, (n, S))
-            times, out = three_sides(net, params, X, cell, output, vmapped, REPS)
+            times, out = three_sides(net, params, X, cell, output,
+                                     functools.partial(_peer, vmapped=vmapped), REPS)
             ref = out["torch.func"]
             med = {k: statistics.median(v) for k, v in times.items()}
             row = dict(case=f"{cell.__name__}, N={n}, {output}", load=os.getloadavg()[0],

@@ -8,18 +8,20 @@ padded batch in the samples' order (``skpathkernel/_tangent/_recurrent.py``).
 
 Three sides alternate in one process, each timed by ``time.thread_time`` on one torch
 thread: ``fallback`` (the rule taken out of the registry, ``RULES``), ``rule`` (put back),
-and ``torch.func``, what a user writes without the package: ``vmap(jacrev(f))`` over the
-samples, or, where ``vmap`` fails (it does on packing), a per-sample loop of ``jacrev``;
-the Jacobian flattened, ``J J^T`` (trace over the outputs / C, or every block for
-``full``). Each case is ``tangent_gram`` in float32 on a text classifier: Embedding(200,
-32) with padding id 0, the lengths (4 to 32, ties) read from the ids, packed with
-``enforce_sorted=False``, a 1-layer LSTM or GRU of 64 hidden units, ``h_n`` into
-Linear(64, C), C = 2.
+and the peer, what a user writes without the package: torch.func's ``vmap(jacrev(f))``
+over the samples, or where ``vmap`` fails a per-sample loop of ``jacrev``, or where that
+fails too (functorch cannot run torch's packed fused call: "Cannot access data pointer
+of Tensor that doesn't have storage") the plain per-sample autograd loop; the Jacobian
+flattened, ``J J^T`` (trace over the outputs / C, or every block for ``full``). Each case
+is ``tangent_gram`` in float32 on a text classifier: Embedding(200, 32) with padding id 0,
+the lengths (4 to 32, ties) read from the ids, packed with ``enforce_sorted=False``, a
+1-layer LSTM or GRU of 64 hidden units, ``h_n`` into Linear(64, C), C = 2.
 
 Usage: ``taskset -c 0 python -m benchmarks.bench_recurrent_packed_ab [RESULTS]`` (RESULTS
 ``recurrent_packed_ab``). Writes ``benchmarks/results/RESULTS.md`` and ``.json``.
 """
 
+import functools
 import json
 import os
 import statistics
@@ -29,10 +31,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.func import functional_call
 from torch.nn.utils.rnn import pack_padded_sequence
 
 from benchmarks._ab import ab_provenance
-from benchmarks.bench_recurrent_ab import C, E, H, S, V, _vmaps, three_sides
+from benchmarks.bench_recurrent_ab import C, E, H, S, V, _peer, _vmaps, three_sides
 
 ROOT = Path(__file__).resolve().parent.parent
 REPS = int(os.environ.get("REPS", 3))
@@ -60,6 +63,30 @@ def _ids(n, gen):
     return ids
 
 
+def _loop(net, params, X, output):
+    """``J J^T`` from the plain per-sample autograd loop (one ``autograd.grad`` per sample
+    and output): what a user is left with where torch.func cannot run the packing."""
+    ps = list(params.values())
+    live = [p.detach().requires_grad_(True) for p in ps]
+    rows = []
+    for x in X:
+        out = functional_call(net, dict(zip(params, live)), (x.unsqueeze(0),))[0]
+        rows.append(torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+            out[c], live, retain_graph=c < C - 1)]) for c in range(C)]))
+    J = torch.stack(rows)
+    if output == "trace":
+        return torch.einsum("ncp,mcp->nm", J, J) / C
+    return torch.einsum("ncp,mdp->ncmd", J, J)
+
+
+def _jacrevs(net, params, X) -> bool:
+    try:
+        _peer(net, params, X[:2], "trace", False)
+    except RuntimeError:
+        return False
+    return True
+
+
 def main():
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", "There is a performance drop", UserWarning)
@@ -71,14 +98,20 @@ def main():
         net = _Packed(cell).eval()
         params = {k: v.detach() for k, v in net.named_parameters()}
         vmapped = _vmaps(net, params, _ids(2, gen))
+        # torch.func's vmap, else its jacrev per sample, else the plain autograd loop.
+        kind = ("vmap(jacrev)" if vmapped else "loop of jacrev (vmap fails)"
+                if _jacrevs(net, params, _ids(2, gen))
+                else "autograd loop (vmap and jacrev fail)")
         for n, output in ((128, "trace"), (256, "trace"), (256, "full")):
             X = _ids(n, gen)
-            times, out = three_sides(net, params, X, cell, output, vmapped, REPS)
+            peer = (_loop if kind.startswith("autograd")
+                    else functools.partial(_peer, vmapped=vmapped))
+            times, out = three_sides(net, params, X, cell, output, peer, REPS)
             ref = out["torch.func"]
             med = {k: statistics.median(v) for k, v in times.items()}
             row = dict(case=f"{cell.__name__} packed, N={n}, {output}",
                        load=os.getloadavg()[0], times=times, median=med,
-                       peer="vmap(jacrev)" if vmapped else "loop of jacrev (vmap fails)",
+                       peer=kind,
                        diff={k: ((out[k].reshape(ref.shape) - ref).abs().max()
                                  / ref.abs().max()).item() for k in out})
             rows.append(row)

@@ -252,25 +252,24 @@ def test_a_subclass_falls_back_until_registered(registered):
     assert layer_routes(module, X)[0].route == "rule"
 
 
-class LayerNorm(nn.LayerNorm):
-    """A library's subclass named as torch's layer, overriding forward as
-    timm.layers.LayerNorm does."""
+class Linear(nn.Linear):
+    """A library's subclass named as torch's layer, overriding forward (as timm's
+    LayerNorm does; nn.LayerNorm's rule now reaches such subclasses, nn.Linear's not)."""
 
     def forward(self, x):
-        return nn.functional.layer_norm(x, self.normalized_shape, self.weight, self.bias,
-                                        self.eps)
+        return nn.functional.linear(x, self.weight, self.bias)
 
 
 def test_a_subclass_named_as_its_base_is_told_apart_from_it():
     # The reason read "register_rule(LayerNorm, get_rule(LayerNorm))" for timm's
     # LayerNorm: the two classes are now named by their import paths.
-    module = nn.Sequential(nn.Linear(3, 4), LayerNorm(4), nn.Linear(4, 1)).double()
+    module = nn.Sequential(nn.Linear(3, 4), Linear(4, 4), nn.Linear(4, 1)).double()
     route = layer_routes(module, torch.randn(4, 3, dtype=torch.float64))[1]
     assert route.route == "fallback"
-    assert (f"no rule for {__name__}.LayerNorm: it overrides forward of nn.LayerNorm, "
+    assert (f"no rule for {__name__}.Linear: it overrides forward of nn.Linear, "
             "whose rule covers the subclasses that keep its forward; if its forward reads "
-            "its parameters in one call of layer_norm as nn.LayerNorm's does, "
-            f"register_rule({__name__}.LayerNorm, get_rule(nn.LayerNorm))") == route.reason
+            "its parameters in one call of linear as nn.Linear's does, "
+            f"register_rule({__name__}.Linear, get_rule(nn.Linear))") == route.reason
 
 
 def test_routes_say_why_a_layer_falls_back():

@@ -694,6 +694,23 @@ def _why_declined(calls, rule, layer) -> str | None:
     return None
 
 
+def _misplaced(calls, rule, names, owners) -> str | None:
+    """Why a rule that reads its call alone cannot take these calls: one passes a
+    parameter in another argument than the rule's (``Rule.parameter_args``)."""
+    if rule.parameter_args is None:
+        return None
+    for use, _ in calls:
+        for local, (at, keyword) in rule.parameter_args.items():
+            if local not in names:
+                continue
+            arg = use.args[at] if len(use.args) > at else use.kwargs.get(keyword)
+            owner = owners.get(id(arg))
+            if owner is None or owner[1] != names[local]:
+                return (f"its call passes its parameter {local!r} in another argument than "
+                        f"{keyword!r}, where the rule reads it")
+    return None
+
+
 def _checked_terms(terms, layer, names, params) -> list[Term]:
     """A rule's terms, normalised, with every parameter's size checked (rule bugs)."""
     own = set(names.values())
@@ -988,11 +1005,11 @@ def _accepted_layers(layers, watch, X, reasons):
     tied weight's gradient is the sum over all its uses).
     """
     why_of = {}
-    for layer, rule, _ in layers:
+    for layer, rule, names in layers:
         calls = watch.factors[id(layer)]
         # Every call read its parameters once through the rule's op (a call that never
         # read them, or read them another way, sends the layer to the fallback).
-        why = _why_declined(calls, rule, layer)
+        why = _why_declined(calls, rule, layer) or _misplaced(calls, rule, names, watch.owners)
         if why is None and any(t.shape[0] != X.shape[0]
                                for use, zs in calls for t in (*use.inputs, *zs)):
             # Rows that are not the samples (a constant input, a subset of the rows, a

@@ -76,6 +76,7 @@ from .._warnings import VersionedStateMixin
 from ..kernels import NetworkKernelsMixin
 from ._training import (
     RECORDED_ADVICE,
+    draws_in_training,
     extend_trajectory,
     mode_dependent_layers,
     refused_in_mode,
@@ -1774,9 +1775,11 @@ def _recorded_network(module, trajectory, loss, X_train, y_train,
         # at every call, without a word, and decompose blamed its quadrature. 64 rows: a
         # per-sample draw at p = 0.1 repeats on all of them with probability 3e-6.
         x = to_input_tensor(net.X_fit[:64], dtype=net.torch_dtype, device=net.torch_device)
-        warn_random_forward(net.module, x, advice=RECORDED_ADVICE)
-        # As the estimators' fit warns: a loop's analyses take the same fallback.
-        warn_on_fallback(net.module, x)
+        drawn = warn_random_forward(net.module, x, advice=RECORDED_ADVICE)
+        # As the estimators' fit warns: a loop's analyses take the same fallback (a
+        # forward that draws at random disagrees with any rule: its routes say nothing).
+        if not (drawn or draws_in_training(net.module)):
+            warn_on_fallback(net.module, x)
     else:
         # Without them (PathRecorder(model, SGD(lr=0)).as_estimator(), a pretrained model
         # left in training mode) the first analysis's inputs are probed, once: nothing

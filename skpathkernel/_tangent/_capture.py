@@ -339,6 +339,8 @@ _VALUE_READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor._
                           torch.Tensor.__index__, torch.Tensor.__float__,
                           torch.Tensor.__bool__, torch.Tensor.numpy,
                           torch.Tensor.__array__})
+
+
 class _Declined:
     """The own call ran, but not as the rule's sites: why (the rule's ``expand`` may say)."""
 
@@ -349,6 +351,7 @@ class _Declined:
 
 
 _DECLINED = _Declined("its rule declines this call (see the rule's expand)")
+
 # Reads of a tensor's metadata only (``x.dim()``, ``x.shape``): not a use of its values.
 _METADATA = frozenset({"dim", "size", "__get__", "numel", "stride", "is_contiguous",
                        "is_floating_point", "__len__", "ndimension", "nelement",
@@ -432,7 +435,7 @@ class _UseWatch(TorchFunctionMode):
         self.factors: dict[int, list] = {layer: [] for layer in ops}
         self.misfits: set[str] = set()
 
-    def enter(self, layer, inputs: tuple) -> None:
+    def enter(self, layer, inputs: tuple = ()) -> None:
         if threading.get_ident() == self.thread:
             self.frames.append(_Frame(id(layer), inputs))
 

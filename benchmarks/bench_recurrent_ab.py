@@ -20,6 +20,7 @@ Usage: ``taskset -c 0 python -m benchmarks.bench_recurrent_ab [RESULTS]`` (RESUL
 ``recurrent_ab``). Writes ``benchmarks/results/RESULTS.md`` and ``.json``.
 """
 
+import functools
 import json
 import os
 import statistics
@@ -76,6 +77,33 @@ def _vmaps(net, params, X) -> bool:
     return True
 
 
+def three_sides(net, params, X, cell, output, peer, reps):
+    """Each side's CPU times and last Gram: the fallback (``cell``'s rule out of the
+    registry), the rule, and torch.func (``peer(net, params, X, output)``), alternating
+    ``reps`` times."""
+    rule = RULES[cell]
+    times = {k: [] for k in ("fallback", "rule", "torch.func")}
+    out = {}
+    try:
+        for _ in range(reps):
+            for side in times:
+                if side == "fallback":
+                    RULES.pop(cell)
+                else:
+                    RULES[cell] = rule
+                if side != "torch.func":
+                    route = {r.route for r in layer_routes(net, X[:4])
+                             if r.type == cell.__name__}
+                    assert route == {"fallback" if side == "fallback" else "rule"}
+                start = time.thread_time()
+                out[side] = (peer(net, params, X, output) if side == "torch.func"
+                             else tangent_gram(net, params, X, output=output))
+                times[side].append(time.thread_time() - start)
+    finally:
+        RULES[cell] = rule
+    return times, out
+
+
 def main():
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", "There is a performance drop", UserWarning)
@@ -86,29 +114,10 @@ def main():
         net = _Classifier(cell).eval()
         params = {k: v.detach() for k, v in net.named_parameters()}
         vmapped = _vmaps(net, params, torch.randint(0, V, (2, S)))
-        rule = RULES[cell]
         for n, output in ((256, "trace"), (256, "full"), (1024, "trace")):
             X = torch.randint(0, V, (n, S))
-            times = {k: [] for k in ("fallback", "rule", "torch.func")}
-            out = {}
-            try:
-                for _ in range(REPS):
-                    for side in times:
-                        if side == "fallback":
-                            RULES.pop(cell)
-                        else:
-                            RULES[cell] = rule
-                        if side != "torch.func":
-                            route = {r.route for r in layer_routes(net, X[:4])
-                                     if r.type == cell.__name__}
-                            assert route == {"fallback" if side == "fallback" else "rule"}
-                        start = time.thread_time()
-                        out[side] = (_peer(net, params, X, output, vmapped)
-                                     if side == "torch.func"
-                                     else tangent_gram(net, params, X, output=output))
-                        times[side].append(time.thread_time() - start)
-            finally:
-                RULES[cell] = rule
+            times, out = three_sides(net, params, X, cell, output,
+                                     functools.partial(_peer, vmapped=vmapped), REPS)
             ref = out["torch.func"]
             med = {k: statistics.median(v) for k, v in times.items()}
             row = dict(case=f"{cell.__name__}, N={n}, {output}", load=os.getloadavg()[0],

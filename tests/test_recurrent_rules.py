@@ -6,7 +6,9 @@ a mean over time, one output or several, Grams split into chunks by a small memo
 budget. ``check_rule`` compares the factors with autograd directly (the engine's own
 autograd check would otherwise send a wrong rule's layer to the exact fallback and hide
 it); the Gram and features are compared with ``jacobian_loop``, and the layer must still
-be on its rule afterwards. Calls the rules decline go to the fallback, still exact.
+be on its rule afterwards; packed sequences too, against each sample run alone through
+the packed path. Calls the rules decline go to the fallback, still exact, and the route's
+reason says what declined them.
 """
 
 import itertools
@@ -112,6 +114,9 @@ def _tight_budget(net, params, X):
     ("gru", dict(batch_first=False, bias=False, mean=False)),
     ("rnn_tanh", dict(batch_first=True, num_layers=2)),
     ("rnn_relu", dict(batch_first=False, bidirectional=True)),
+    # Token ids, lengths from the padding, packed with enforce_sorted=False.
+    ("lstm", dict(packed=True, bidirectional=True)),
+    ("gru", dict(packed=True, num_layers=2)),
 ])
 def test_gram_and_features_in_small_chunks_match_loop(cell, kw, n_out):
     net = _net(cell, n_out, **kw)
@@ -128,16 +133,15 @@ def test_gram_and_features_in_small_chunks_match_loop(cell, kw, n_out):
 
 
 @pytest.mark.parametrize("cell,kw,why", [
-    ("lstm", dict(packed=True), "declines"),
-    ("gru", dict(packed=True, bidirectional=True), "declines"),
-    ("lstm", dict(proj_size=2), "declines"),
+    ("lstm", dict(proj_size=2), "proj_size"),
 ])
 def test_declined_calls_fall_back_exactly(cell, kw, why):
     net = _net(cell, **kw)
     params = {k: v.detach() for k, v in net.named_parameters()}
     X = _ids(5)
     route, reason = _routes(net, X)[type(net.rnn).__name__]
-    assert route == "fallback" and why in reason
+    # The reason names what declined the call, not only that the rule did.
+    assert route == "fallback" and "declines this call" in reason and why in reason, reason
     J = jacobian_loop(net, X)
     _close(tangent_gram(net, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
 
@@ -147,14 +151,101 @@ def test_dropout_between_layers_declines_in_training_only():
     X = _ids(4)
     assert _routes(net, X)["LSTM"][0] == "rule"  # eval: no dropout
     # In training mode the call draws dropout masks between the layers: not per-sample
-    # factors of a fixed function, so the rule declines it.
+    # factors of a fixed function, so the rule declines it, and says so.
     params = {k: v.detach() for k, v in net.named_parameters()}
     call = (torch.randn(4, S, E, dtype=torch.float64), (torch.zeros(2, 4, H).double(),) * 2,
             list(params.values())[1:9], True, 2, 0.5, True, False, True)
     assert net.rnn.__class__ is nn.LSTM
-    assert _expand(net.rnn, torch.lstm, call, {}) is None
+    why = _expand(net.rnn, torch.lstm, call, {})
+    assert isinstance(why, str) and "dropout" in why and "training" in why
     call = (*call[:6], False, *call[7:])
-    assert _expand(net.rnn, torch.lstm, call, {}) is not None
+    assert isinstance(_expand(net.rnn, torch.lstm, call, {})[1], list)
+    # The packed call's own order: (data, batch_sizes, hx, params, has_biases,
+    # num_layers, dropout, train, bidirectional).
+    seq = pack_padded_sequence(torch.randn(4, S, E).double(), [6, 5, 5, 1], batch_first=True)
+    packed = (seq.data, seq.batch_sizes, call[1], call[2], True, 2, 0.5, True, False)
+    why = _expand(net.rnn, torch.lstm, packed, {}, (seq,))
+    assert isinstance(why, str) and "dropout" in why
+    packed = (*packed[:7], False, False)
+    assert isinstance(_expand(net.rnn, torch.lstm, packed, {}, (seq,))[1], list)
+    # A packed call that does not come with the layer's PackedSequence has no sample order.
+    assert "PackedSequence" in _expand(net.rnn, torch.lstm, packed, {}, ())
+
+
+class _Packed(nn.Module):
+    """Feature vectors padded after their length (the last column, 1 on the steps of the
+    sequence, says which), packed, through the recurrent layer, unpacked; the outputs
+    and ``h_n`` (and ``c_n``) both read. ``state``: an initial state computed from the
+    input, passed in the samples' order (torch reorders it to the call's)."""
+
+    def __init__(self, cell, enforce_sorted, state=False, **kw):
+        super().__init__()
+        self.rnn = CELLS[cell](E, H, batch_first=True, **kw)
+        width = H * (2 if self.rnn.bidirectional else 1)
+        self.layers = self.rnn.num_layers * (2 if self.rnn.bidirectional else 1)
+        self.init = nn.Linear(E, self.layers * H) if state else None
+        self.out = nn.Linear(width + 2 * H, 2)
+        self.enforce_sorted = enforce_sorted
+
+    def forward(self, x):
+        lengths = x[:, :, -1].sum(1).long().cpu()
+        seq = pack_padded_sequence(x[:, :, :E], lengths, batch_first=True,
+                                   enforce_sorted=self.enforce_sorted)
+        if self.init is None:
+            out, state = self.rnn(seq)
+        else:
+            h0 = torch.tanh(self.init(x[:, 0, :E])).unflatten(1, (self.layers, H))
+            h0 = h0.transpose(0, 1).contiguous()
+            hx = (h0, torch.sin(h0)) if isinstance(self.rnn, nn.LSTM) else h0
+            out, state = self.rnn(seq, hx)
+        out = pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])[0]
+        h = state[0][-1] if isinstance(state, tuple) else state[-1]
+        c = state[1][0] if isinstance(state, tuple) else torch.cos(state[0])
+        return self.out(torch.cat([out.sum(1), h, c], 1))
+
+
+def _padded(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(len(lengths), S, E + 1, generator=gen, dtype=torch.float64)
+    valid = (torch.arange(S) < torch.tensor(lengths).unsqueeze(1)).double()
+    x[:, :, :E] *= valid.unsqueeze(-1)
+    x[:, :, -1] = valid
+    return x
+
+
+PACKED = [dict(), dict(bidirectional=True), dict(num_layers=2),
+          dict(bidirectional=True, num_layers=2, bias=False)]
+
+
+@pytest.mark.parametrize("state", [False, True])
+@pytest.mark.parametrize("kw", PACKED)
+@pytest.mark.parametrize("enforce_sorted", [False, True])
+@pytest.mark.parametrize("cell", sorted(CELLS))
+def test_packed_sequences_on_the_rule_match_loop(cell, enforce_sorted, kw, state):
+    # Lengths with ties, the full length and length 1; sorted when torch requires it.
+    lengths = [6, 5, 5, 3, 1, 2, 1] if not enforce_sorted else [6, 5, 5, 3, 2, 1, 1]
+    torch.manual_seed(0)
+    net = _Packed(cell, enforce_sorted, state, **kw).double().eval()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    X = _padded(lengths)
+    # The reference runs each sample alone through the packed path (a batch of one).
+    J = jacobian_loop(net, X)
+    assert _routes(net, X)[type(net.rnn).__name__] == ("rule", "")
+    assert check_rule(net, X, rtol=1e-10) <= 1e-10
+    _close(tangent_gram(net, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+    _close(tangent_features(net, params, X, output="full"), J)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_packed_batch_of_one_matches_loop(cell):
+    torch.manual_seed(0)
+    net = _Packed(cell, False, True, bidirectional=True, num_layers=2).double().eval()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    X = _padded([3])
+    J = jacobian_loop(net, X)
+    assert _routes(net, X)[type(net.rnn).__name__] == ("rule", "")
+    _close(tangent_gram(net, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+    _close(tangent_features(net, params, X, output="full"), J)
 
 
 class _Seq2Seq(nn.Module):

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.utils import parametrizations
 
 import skpathkernel._tangent._generic as generic_module
-from skpathkernel import PathKernelMachine
+from skpathkernel import PathKernelMachine, PathRecorder, RecordedNetwork
 from skpathkernel._tangent import capture, tangent_features, tangent_gram
 from skpathkernel.rules import (
     FallbackWarning,
@@ -252,25 +252,24 @@ def test_a_subclass_falls_back_until_registered(registered):
     assert layer_routes(module, X)[0].route == "rule"
 
 
-class LayerNorm(nn.LayerNorm):
-    """A library's subclass named as torch's layer, overriding forward as
-    timm.layers.LayerNorm does."""
+class Linear(nn.Linear):
+    """A library's subclass named as torch's layer, overriding forward (as timm's
+    LayerNorm does; nn.LayerNorm's rule now reaches such subclasses, nn.Linear's not)."""
 
     def forward(self, x):
-        return nn.functional.layer_norm(x, self.normalized_shape, self.weight, self.bias,
-                                        self.eps)
+        return nn.functional.linear(x, self.weight, self.bias)
 
 
 def test_a_subclass_named_as_its_base_is_told_apart_from_it():
     # The reason read "register_rule(LayerNorm, get_rule(LayerNorm))" for timm's
     # LayerNorm: the two classes are now named by their import paths.
-    module = nn.Sequential(nn.Linear(3, 4), LayerNorm(4), nn.Linear(4, 1)).double()
+    module = nn.Sequential(nn.Linear(3, 4), Linear(4, 4), nn.Linear(4, 1)).double()
     route = layer_routes(module, torch.randn(4, 3, dtype=torch.float64))[1]
     assert route.route == "fallback"
-    assert (f"no rule for {__name__}.LayerNorm: it overrides forward of nn.LayerNorm, "
+    assert (f"no rule for {__name__}.Linear: it overrides forward of nn.Linear, "
             "whose rule covers the subclasses that keep its forward; if its forward reads "
-            "its parameters in one call of layer_norm as nn.LayerNorm's does, "
-            f"register_rule({__name__}.LayerNorm, get_rule(nn.LayerNorm))") == route.reason
+            "its parameters in one call of linear as nn.Linear's does, "
+            f"register_rule({__name__}.Linear, get_rule(nn.Linear))") == route.reason
 
 
 def test_routes_say_why_a_layer_falls_back():
@@ -382,6 +381,32 @@ def test_one_warning_per_fit_when_fallback_layers_hold_much(slow):
         # 72 of 113 parameters: the share, the layer and the reason are named.
         assert "64%" in str(fallback[0].message) and "slow (_MyLinear, 72" in str(
             fallback[0].message)
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_a_recorded_loop_warns_as_the_fit_does(slow):
+    # A user's own loop reached the same fallback without a word: only the estimators'
+    # fit warned. Building its network with the training inputs now warns the same.
+    X = np.random.RandomState(0).uniform(-1, 1, size=(12, 3))
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(X[:, :1])
+    torch.manual_seed(0)
+    module = _Fallback(3, 1, slow).double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with PathRecorder(module, opt) as rec:
+        for _ in range(2):
+            opt.zero_grad()
+            (0.5 * (module(Xt) - Yt) ** 2).mean().backward()
+            opt.step()
+    for build in (lambda: rec.as_network(X), lambda: RecordedNetwork(module, rec.trajectory,
+                                                                      X_train=X)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            build()
+        fallback = [w for w in seen if issubclass(w.category, FallbackWarning)]
+        assert len(fallback) == (1 if slow else 0)
+        if slow:
+            assert "slow (_MyLinear, 72" in str(fallback[0].message)
+            assert fallback[0].filename == __file__  # the user's line
 
 
 def test_the_user_guide_code_runs(registered):

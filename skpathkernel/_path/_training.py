@@ -383,7 +383,7 @@ RECORDED_ADVICE = (
 
 
 def warn_random_forward(module: torch.nn.Module, x: torch.Tensor, *,
-                        advice: str = _FACTORY_ADVICE) -> None:
+                        advice: str = _FACTORY_ADVICE) -> bool:
     """Warn when ``module``, in the modes it was built in, returns different outputs for
     the same input twice: a random layer that :func:`mode_dependent_layers` does not know
     (``F.dropout`` in a forward, stochastic depth / DropPath, noise), whose draws no
@@ -392,13 +392,14 @@ def warn_random_forward(module: torch.nn.Module, x: torch.Tensor, *,
     module's state (buffers, or a step count kept as a plain attribute) moves the copy's,
     and the training starts from the module as built. A non-finite output is left to the
     training's divergence check (NaN differs from itself). A module that cannot be
-    copied is not probed. ``advice`` ends the warning: what to do, for the caller."""
+    copied is not probed. ``advice`` ends the warning: what to do, for the caller. Returns
+    whether it warned."""
     if draws_in_training(module):
-        return  # refuse_training_mode_layers warned of it (and the analyses do)
+        return False  # refuse_training_mode_layers warned of it (and the analyses do)
     try:
         probe = copy_module(module)
     except (RuntimeError, TypeError):  # a module holding what deepcopy refuses (a lock)
-        return  # a probe is not worth failing the fit for
+        return False  # a probe is not worth failing the fit for
     devices = []
     if x.device.type == "cuda":
         devices = [torch.cuda.current_device() if x.device.index is None else x.device.index]
@@ -406,9 +407,9 @@ def warn_random_forward(module: torch.nn.Module, x: torch.Tensor, *,
     with torch.no_grad(), forked_rng(devices), plain_checkpoints():
         first, second = probe(forward_input(x)), probe(forward_input(x))
     if not isinstance(first, torch.Tensor) or not first.numel():
-        return
+        return False
     if not (torch.isfinite(first).all() and torch.isfinite(second).all()):
-        return
+        return False
     scale = float(first.abs().max()) or 1.0
     if not float((first - second).abs().max()) <= RANDOM_FORWARD_TOL * scale:
         warnings.warn(
@@ -417,6 +418,8 @@ def warn_random_forward(module: torch.nn.Module, x: torch.Tensor, *,
             "depth / DropPath, noise) or updates state its forward reads (a buffer it "
             f"counts or averages in). {advice}",
             UserWarning, stacklevel=caller_stacklevel())
+        return True
+    return False
 
 
 def resume_training_modes(module: torch.nn.Module, modes: dict[str, bool] | None = None

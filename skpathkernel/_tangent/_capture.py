@@ -339,7 +339,19 @@ _VALUE_READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor._
                           torch.Tensor.__index__, torch.Tensor.__float__,
                           torch.Tensor.__bool__, torch.Tensor.numpy,
                           torch.Tensor.__array__})
-_DECLINED = object()  # the own call ran, but not as the rule's sites
+
+
+class _Declined:
+    """The own call ran, but not as the rule's sites: why (the rule's ``expand`` may say)."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str):
+        self.why = why
+
+
+_DECLINED = _Declined("its rule declines this call (see the rule's expand)")
+
 # Reads of a tensor's metadata only (``x.dim()``, ``x.shape``): not a use of its values.
 _METADATA = frozenset({"dim", "size", "__get__", "numel", "stride", "is_contiguous",
                        "is_floating_point", "__len__", "ndimension", "nelement",
@@ -350,11 +362,11 @@ _CONVOLUTIONS = (CONV1D, CONV2D, CONV3D)
 class _Frame:
     """One running call of a rule layer: its own parameter read, once, gives the factors."""
 
-    __slots__ = ("layer", "use")
+    __slots__ = ("inputs", "layer", "use")
 
-    def __init__(self, layer: int):
-        self.layer = layer
-        self.use = None  # (Use, site outputs z), or _DECLINED
+    def __init__(self, layer: int, inputs: tuple):
+        self.layer, self.inputs = layer, inputs  # inputs: the layer's call's arguments
+        self.use = None  # (Use, site outputs z), or a _Declined
 
 
 class _UseWatch(TorchFunctionMode):
@@ -423,9 +435,9 @@ class _UseWatch(TorchFunctionMode):
         self.factors: dict[int, list] = {layer: [] for layer in ops}
         self.misfits: set[str] = set()
 
-    def enter(self, layer) -> None:
+    def enter(self, layer, inputs: tuple = ()) -> None:
         if threading.get_ident() == self.thread:
-            self.frames.append(_Frame(id(layer)))
+            self.frames.append(_Frame(id(layer), inputs))
 
     def leave(self, layer) -> None:
         if threading.get_ident() != self.thread:
@@ -542,8 +554,11 @@ class _UseWatch(TorchFunctionMode):
                     self._pend(handed, top)
                 return handed
             return out
-        expanded = rule.expand(layer, func, args, kwargs)
-        if expanded is None:
+        expanded = (rule.expand(layer, func, args, kwargs, top.inputs) if rule.call_inputs
+                    else rule.expand(layer, func, args, kwargs))
+        if expanded is None or isinstance(expanded, str):
+            if expanded:
+                top.use = _Declined(f"its rule declines this call: {expanded}")
             return func(*args, **kwargs)
         out, sites = expanded
         if sites and all(isinstance(z, torch.Tensor) and z.requires_grad for _, z in sites):
@@ -675,10 +690,27 @@ def _why_declined(calls, rule, layer) -> str | None:
     for call in calls:
         if call is None:
             return "the layer's call does not read its parameters through its rule's operation"
-        if call is _DECLINED:
-            return "its rule declines this call (see the rule's expand)"
+        if isinstance(call, _Declined):
+            return call.why
         if rule.accepts is not None and not rule.accepts(layer, call[0]):
             return "its rule does not accept this call's input"
+    return None
+
+
+def _misplaced(calls, rule, names, owners) -> str | None:
+    """Why a rule that reads its call alone cannot take these calls: one passes a
+    parameter in another argument than the rule's (``Rule.parameter_args``)."""
+    if rule.parameter_args is None:
+        return None
+    for use, _ in calls:
+        for local, (at, keyword) in rule.parameter_args.items():
+            if local not in names:
+                continue
+            arg = use.args[at] if len(use.args) > at else use.kwargs.get(keyword)
+            owner = owners.get(id(arg))
+            if owner is None or owner[1] != names[local]:
+                return (f"its call passes its parameter {local!r} in another argument than "
+                        f"{keyword!r}, where the rule reads it")
     return None
 
 
@@ -814,7 +846,7 @@ def capture(
                       fold_bn)
     handles = []
     for layer, _, _ in layers:
-        handles.append(layer.register_forward_pre_hook(lambda lay, args: watch.enter(lay)))
+        handles.append(layer.register_forward_pre_hook(watch.enter))
         handles.append(layer.register_forward_hook(lambda lay, args, out: watch.leave(lay),
                                                    always_call=True))
     # A copy of the rows: a module writing into its input would rewrite X. The copy is
@@ -976,11 +1008,11 @@ def _accepted_layers(layers, watch, X, reasons):
     tied weight's gradient is the sum over all its uses).
     """
     why_of = {}
-    for layer, rule, _ in layers:
+    for layer, rule, names in layers:
         calls = watch.factors[id(layer)]
         # Every call read its parameters once through the rule's op (a call that never
         # read them, or read them another way, sends the layer to the fallback).
-        why = _why_declined(calls, rule, layer)
+        why = _why_declined(calls, rule, layer) or _misplaced(calls, rule, names, watch.owners)
         if why is None and any(t.shape[0] != X.shape[0]
                                for use, zs in calls for t in (*use.inputs, *zs)):
             # Rows that are not the samples (a constant input, a subset of the rows, a

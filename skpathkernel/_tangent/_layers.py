@@ -448,7 +448,10 @@ def _layer_norm_accepts(layer, use):
     return use.inputs[0].ndim > len(tuple(_arg(use, 1, "normalized_shape")))
 
 
-LAYER_NORM = Rule(ops=(F.layer_norm,), factors=_layer_norm_factors, accepts=_layer_norm_accepts)
+# Everything from the call (shape, eps): subclasses that override forward keep it
+# (timm's and torchvision's LayerNorm2d, channels-last around F.layer_norm).
+LAYER_NORM = Rule(ops=(F.layer_norm,), factors=_layer_norm_factors, accepts=_layer_norm_accepts,
+                  parameter_args={"weight": (2, "weight"), "bias": (3, "bias")})
 
 
 def _rms_shape(use: Use) -> tuple[int, ...]:

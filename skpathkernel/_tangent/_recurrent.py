@@ -17,8 +17,16 @@ steps at once, the steps its positions) and ``delta'_t`` that of the hidden proj
 multiplies the new gate's hidden projection by its reset gate, so a zero probe added to
 the hidden projections of every step is a second site whose backprop is ``delta'``.
 
-Packed sequences, ``proj_size``, dropout between layers in training mode and unbatched
-inputs are declined (the layer goes to the fallback).
+A packed sequence (``nn.utils.rnn.PackedSequence``) reaches the fused call as its rows in
+length order, ``batch_sizes`` rows per step, without the samples' order, which the rule
+reads from the layer's own input (``Rule.call_inputs``). The rule runs it as the padded
+batch in the samples' order, each row taking the steps of its own length and holding its
+state after (``torch.where``): no gradient reaches a site's positions past a sample's end,
+so each weight's per-sample gradient sums that sample's own steps; ``h0`` comes in and
+``h_n`` goes out in the call's order.
+
+``proj_size``, dropout between layers in training mode and unbatched inputs are declined
+(the layer goes to the fallback, and :func:`layer_routes` says which of them declined it).
 """
 
 from __future__ import annotations
@@ -66,22 +74,86 @@ def _step(mode: str, gi, h, c, w_hh, b_hh, probe):
     return (torch.tanh(pre) if mode == "RNN_TANH" else torch.relu(pre)), c
 
 
-def _expand(layer, func, args, kwargs):
-    """The fused call as a Python recurrence over the batch (see the module's notes)."""
-    # Unpacked: (input, hx, params, has_biases, num_layers, dropout, train,
-    # bidirectional, batch_first); packed sequences put batch_sizes second.
-    mode = _MODES[func]
-    if (kwargs or len(args) != 9 or not isinstance(args[2], (list, tuple))
-            or getattr(layer, "proj_size", 0) or args[0].ndim != 3
-            or (args[6] and args[5] > 0 and layer.num_layers > 1)):
-        return None
-    x, hx, params, _, num_layers, _, _, bidirectional, batch_first = args
-    if mode == "LSTM":
-        h0, c0 = hx
+def _packed(args) -> bool:
+    """Whether the fused call is a packed one (``batch_sizes``, integers, second)."""
+    return len(args) > 1 and isinstance(args[1], torch.Tensor) and not args[1].is_floating_point()
+
+
+def _declined(layer, args, kwargs, packed) -> str | None:
+    """Why the rule cannot run this call as its sites (None: it can)."""
+    if kwargs or len(args) != 9 or not isinstance(args[3 if packed else 2], (list, tuple)):
+        return "a call of the fused operation with arguments torch's forward does not pass"
+    if getattr(layer, "proj_size", 0):
+        return "proj_size (the rule has no factors for the projection of the hidden state)"
+    if not packed and args[0].ndim != 3:
+        return "an unbatched input (one sequence without a batch dimension)"
+    dropout, train = args[6:8] if packed else args[5:7]
+    if train and dropout > 0 and layer.num_layers > 1:
+        return ("dropout between layers in training mode (a random mask per call, not a "
+                "fixed function of the sample; in eval mode the rule applies)")
+    return None
+
+
+def _unpacked(args, call):
+    """A packed call's input as the padded batch in the samples' order, samples first:
+    ``(seq (n, T, q), h0, c0, lengths (n,), sorted, at)``; ``sorted`` the sample of each
+    row of the call (length order: ``hx`` comes in that order and ``h_n`` goes out in it),
+    ``at`` the flat position ``i * T + t`` of each packed row. A string: why not."""
+    data, batch_sizes, hx = args[:3]
+    sequence = call[0] if call else None
+    if (not isinstance(sequence, nn.utils.rnn.PackedSequence)
+            or sequence.batch_sizes is not batch_sizes):
+        return "a packed call whose input is not the layer's PackedSequence"
+    n, T = int(batch_sizes[0]), len(batch_sizes)
+    rows = torch.arange(n)
+    # Length of each row of the call: the number of steps whose batch still holds it.
+    lengths = (batch_sizes.unsqueeze(1) > rows).sum(0)
+    order = sequence.sorted_indices
+    order = rows if order is None else order.cpu()
+    steps = torch.repeat_interleave(torch.arange(T), batch_sizes)
+    within = torch.cat([rows[:b] for b in batch_sizes.tolist()])
+    device = data.device
+    at = (order[within] * T + steps).to(device)
+    seq = data.new_zeros(n * T, data.shape[1]).index_copy(0, at, data).unflatten(0, (n, T))
+    back = torch.empty_like(order)
+    back[order] = rows
+    length = torch.empty_like(lengths)
+    length[order] = lengths
+    if isinstance(hx, (list, tuple)):
+        h0, c0 = (s.index_select(1, back.to(device)) for s in hx)
     else:
-        h0, c0 = hx, None
-    seq = x if batch_first else x.transpose(0, 1)
-    n, T = seq.shape[:2]
+        h0, c0 = hx.index_select(1, back.to(device)), None
+    return seq, h0, c0, length.to(device), order.to(device), at
+
+
+def _expand(layer, func, args, kwargs, call=()):
+    """The fused call as a Python recurrence over the batch (see the module's notes), or
+    why not."""
+    # Unpacked: (input, hx, params, has_biases, num_layers, dropout, train,
+    # bidirectional, batch_first); packed: (data, batch_sizes, hx, params, has_biases,
+    # num_layers, dropout, train, bidirectional).
+    mode = _MODES[func]
+    packed = _packed(args)
+    why = _declined(layer, args, kwargs, packed)
+    if why is not None:
+        return why
+    if packed:
+        unpacked = _unpacked(args, call)
+        if isinstance(unpacked, str):
+            return unpacked
+        seq, h0, c0, lengths, order, at = unpacked
+        params, num_layers, bidirectional = args[3], args[5], args[8]
+        T = seq.shape[1]
+        # Row i takes step t while t < its length; after, its state is held (its final
+        # state, or, running backwards, its initial one until its last step).
+        live = [None if bool(lengths.min() > t) else (lengths > t).unsqueeze(1)
+                for t in range(T)]
+    else:
+        x, hx, params, _, num_layers, _, _, bidirectional, batch_first = args
+        h0, c0 = hx if mode == "LSTM" else (hx, None)
+        seq = x if batch_first else x.transpose(0, 1)
+        T = seq.shape[1]
+        live = [None] * T
     n_dir = 2 if bidirectional else 1
     sites, h_n, c_n = [], [], []
     cells = _cells(layer, params)
@@ -95,15 +167,21 @@ def _expand(layer, func, args, kwargs):
             if mode == "GRU":
                 probe = zi.new_zeros(zi.shape).requires_grad_(True)
             h, c = h0[k * n_dir + d], None if c0 is None else c0[k * n_dir + d]
-            order = range(T - 1, -1, -1) if d else range(T)
+            steps = range(T - 1, -1, -1) if d else range(T)
             hs, prev = [None] * T, [None] * T
             # The steps as one unbind, not T selections: each select's backward writes a
             # zero tensor the size of all the steps (T^2 traffic, 4.4 of a 6.7 s diagonal).
             gis = zi.unbind(1)
             probes = [None] * T if probe is None else probe.unbind(1)
-            for t in order:
+            for t in steps:
                 prev[t] = h
-                h, c = _step(mode, gis[t], h, c, w_hh, b_hh, probes[t])
+                h_t, c_t = _step(mode, gis[t], h, c, w_hh, b_hh, probes[t])
+                if live[t] is None:
+                    h, c = h_t, c_t
+                else:
+                    # A row past its end: no gradient reaches its step's sites.
+                    h = torch.where(live[t], h_t, h)
+                    c = None if c is None else torch.where(live[t], c_t, c)
                 hs[t] = h
             a_h = torch.stack(prev, dim=1)
             if probe is None:
@@ -114,10 +192,16 @@ def _expand(layer, func, args, kwargs):
             h_n.append(h)
             c_n.append(c)
         seq = torch.cat(outs, dim=2) if n_dir > 1 else outs[0]
-    out = seq if batch_first else seq.transpose(0, 1)
     hidden = torch.stack(h_n)
+    if packed:
+        out = seq.flatten(0, 1).index_select(0, at)
+        hidden = hidden.index_select(1, order)
+        cell = None if c0 is None else torch.stack(c_n).index_select(1, order)
+    else:
+        out = seq if batch_first else seq.transpose(0, 1)
+        cell = None if c0 is None else torch.stack(c_n)
     if mode == "LSTM":
-        return (out, hidden, torch.stack(c_n)), sites
+        return (out, hidden, cell), sites
     return (out, hidden), sites
 
 
@@ -127,7 +211,8 @@ def _factors(layer, use, deltas, names):
     input projection's (``x_t``) and the hidden probe's (``h_{t-1}``)."""
     gru = use.func is torch.gru
     terms = []
-    for j, (local, ws) in enumerate(_cells(layer, use.args[2])):
+    params = use.args[3 if _packed(use.args) else 2]
+    for j, (local, ws) in enumerate(_cells(layer, params)):
         w_ih, w_hh, *biases = local
         b_ih, b_hh = (*biases, None, None)[:2]
         if gru:
@@ -149,6 +234,7 @@ def _factors(layer, use, deltas, names):
 _MODES = {torch.lstm: "LSTM", torch.gru: "GRU", torch.rnn_tanh: "RNN_TANH",
           torch.rnn_relu: "RNN_RELU"}
 
-LSTM = Rule(ops=(torch.lstm,), factors=_factors, expand=_expand)
-GRU = Rule(ops=(torch.gru,), factors=_factors, expand=_expand)
-RNN = Rule(ops=(torch.rnn_tanh, torch.rnn_relu), factors=_factors, expand=_expand)
+LSTM = Rule(ops=(torch.lstm,), factors=_factors, expand=_expand, call_inputs=True)
+GRU = Rule(ops=(torch.gru,), factors=_factors, expand=_expand, call_inputs=True)
+RNN = Rule(ops=(torch.rnn_tanh, torch.rnn_relu), factors=_factors, expand=_expand,
+           call_inputs=True)

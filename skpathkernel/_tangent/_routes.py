@@ -20,7 +20,7 @@ from torch.nn.utils import parametrize
 
 from .._modules import copy_module, runs_module
 from .._path._training import drawing_layers
-from .._warnings import worst
+from .._warnings import caller_stacklevel, worst
 from ._capture import _numerical_misfits, capture, check_per_sample, forward
 from ._generic import _looped, unbatched
 from ._gram import DEFAULT_MEMORY_BUDGET, _resolve_output, tangent_features, tangent_gram
@@ -280,9 +280,10 @@ def warn_on_fallback(module: nn.Module, X, *, share: float = FALLBACK_SHARE) -> 
     """One :class:`FallbackWarning` when fallback layers hold ``share`` of the parameters,
     or any where torch.func cannot batch the network (the fallback then loops over samples).
 
-    Called once per fit by the estimators, on their training inputs. It never makes a fit
-    fail: a network the capture cannot run on is left for the kernel computations to
-    refuse with their own errors.
+    Called once per fit by the estimators, on their training inputs, and where a recorded
+    loop's network is built with its training inputs (``PathRecorder.as_network``,
+    ``RecordedNetwork``), on 64 of them. It never makes a fit fail: a network the capture
+    cannot run on is left for the kernel computations to refuse with their own errors.
     """
     try:
         routes = layer_routes(module, X)
@@ -301,7 +302,7 @@ def warn_on_fallback(module: nn.Module, X, *, share: float = FALLBACK_SHARE) -> 
         f"fallback, which forms per-sample Jacobians: {listed}{more}. Kernels, tangent "
         "features and the decomposition stay exact but are slower and use more memory. See "
         "skpathkernel.rules.layer_routes for every layer, and register_rule to add a rule.",
-        FallbackWarning, stacklevel=3)
+        FallbackWarning, stacklevel=caller_stacklevel())
 
 
 @runs_module(lambda module: module)  # its copy's features, as layer_routes' (above)

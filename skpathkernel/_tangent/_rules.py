@@ -23,7 +23,8 @@ Rules are registered per module type (as opacus' grad_sample does). A subclass o
 registered type takes its nearest registered ancestor's rule when it changes nothing that
 the ancestor's ``forward`` runs (:func:`rule_for`); one that overrides ``forward``, or a
 method of the ancestor that ``forward`` may call, may compute something else, so it goes to
-the generic fallback unless it is registered itself.
+the generic fallback unless it is registered itself, or the rule reads nothing but its call
+(``Rule.parameter_args``: nn.LayerNorm's, which timm's and torchvision's ``LayerNorm2d`` keep).
 """
 
 from __future__ import annotations
@@ -202,8 +203,26 @@ class Rule:
         on intermediate tensors (attention's projections): returns the call's result and
         a list of ``(a, z)`` pairs, samples first, where ``z`` is computed from ``a`` and the
         parameters by differentiable torch operations and the result from the ``z``.
-        ``None`` declines (the call runs as is and the layer goes to the fallback). Without
-        ``expand`` the call is one site, ``(args[0], result)``.
+        ``None`` declines (the call runs as is and the layer goes to the fallback), and so
+        does a string, which says why (:func:`layer_routes` shows it). Without ``expand``
+        the call is one site, ``(args[0], result)``.
+    call_inputs : bool, default=False
+        Call ``expand`` with a fifth argument, the positional arguments of the layer's own
+        call (its ``forward``'s inputs): for what the operation's arguments do not carry
+        (a ``PackedSequence``'s sample order, which ``torch.lstm`` does not take).
+    parameter_args : dict of str to (int, str), default=None
+        Where the call takes each of the layer's parameters: ``{name: (position,
+        keyword)}`` (nn.LayerNorm's: ``{"weight": (2, "weight"), "bias": (3, "bias")}``).
+        Given, it says the factors read the call alone (its arguments, its sites' inputs
+        and outputs), nothing of the layer, and the capture checks that every call
+        passes each parameter there (a call passing them swapped goes to the fallback).
+        A subclass that overrides ``forward`` then keeps the rule of its registered
+        ancestor (timm's and torchvision's ``LayerNorm2d`` permute to channels-last around
+        ``F.layer_norm``): the capture guards it as any rule layer, a parameter read
+        otherwise than once, in one call of the rule's op with all of the layer's
+        parameters (scaled first, added again, a second call), sending the layer to the
+        fallback, as do rows that are not the samples and, through the autograd check of
+        the first rows, reads that torch functions do not see.
 
     Examples
     --------
@@ -237,7 +256,9 @@ class Rule:
     factors: Callable[[nn.Module, Use, tuple[torch.Tensor, ...], dict[str, str]], list[Term]]
     accepts: Callable[[nn.Module, Use], bool] | None = None
     expand: Callable[[nn.Module, Callable, tuple, dict],
-                     tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]] | None] | None = None
+                     tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]] | str | None] | None = None
+    call_inputs: bool = False
+    parameter_args: dict[str, tuple[int, str]] | None = None
 
 
 RULES: dict[type, Rule] = {}
@@ -252,7 +273,8 @@ def register_rule(module_type: type, rule: Rule) -> None:
     (``__init__``, ``reset_parameters``, ``extra_repr``): the ancestor's ``forward`` then
     makes the same call. A subclass that overrides ``forward`` (or a method ``forward``
     may call, such as ``_conv_forward``) falls back until it is registered itself, once
-    its ``forward`` is known to read its parameters through the same call.
+    its ``forward`` is known to read its parameters through the same call, unless the
+    ancestor's rule reads its call alone (``Rule.parameter_args``: nn.LayerNorm's).
 
     Parameters
     ----------
@@ -379,9 +401,13 @@ def registered_ancestor(module_type: type) -> tuple[type, bool] | None:
 def rule_for(module_type: type) -> Rule | None:
     """The rule the capture uses for ``module_type``: its own, or else that of its nearest
     registered ancestor when it overrides none of the ancestor's methods (see
-    :func:`register_rule`); ``None`` sends its modules to the fallback."""
+    :func:`register_rule`) or the rule reads its call alone (``parameter_args``); ``None``
+    sends its modules to the fallback."""
     rule = RULES.get(module_type)
     if rule is not None:
         return rule
     inherited = registered_ancestor(module_type)
-    return RULES[inherited[0]] if inherited is not None and inherited[1] else None
+    if inherited is None:
+        return None
+    rule = RULES[inherited[0]]
+    return rule if inherited[1] or rule.parameter_args is not None else None

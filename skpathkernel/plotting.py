@@ -371,6 +371,12 @@ class KernelNeighborsDisplay:
         space (``sqrt(2 - 2 K_hat)`` for the normalized kernel, see
         :meth:`~skpathkernel.PathKernelMachine.kneighbors`) or Euclidean in input space.
         Not drawn; :meth:`from_estimator` fills it.
+    continuous : bool, default=None
+        Whether ``y`` holds values (a regression target), drawn by value on a colour bar
+        and refused by :meth:`purity`, rather than labels. None decides from ``y`` as
+        scikit-learn's ``type_of_target`` does ("continuous": floats that are not all
+        integers); :meth:`from_estimator` passes True for a regressor's float targets or
+        predictions, which may all be integers (``load_diabetes``).
     title : str, default=None
         Title of the axes.
 
@@ -401,13 +407,22 @@ class KernelNeighborsDisplay:
     ((1, 5), 1.0)
     """
 
-    def __init__(self, X, y, anchors, neighbors, *, distances=None, title=None):
+    def __init__(self, X, y, anchors, neighbors, *, distances=None, continuous=None,
+                 title=None):
         self.X = X
         self.y = y
         self.anchors = anchors
         self.neighbors = neighbors
         self.distances = distances
+        self.continuous = continuous
         self.title = title
+
+    def _values(self) -> bool:
+        """Whether ``y`` is drawn as values: ``continuous``, or decided from ``y``."""
+        if self.continuous is None:
+            return _continuous(self.y)
+        check_flag(self.continuous, "continuous")
+        return bool(self.continuous)
 
     def purity(self) -> np.ndarray:
         """Fraction of each anchor's neighbours that carry their most common label.
@@ -420,7 +435,7 @@ class KernelNeighborsDisplay:
         -------
         purity : ndarray of shape (n_anchors,)
         """
-        if _continuous(self.y):
+        if self._values():
             raise ValueError(
                 "purity counts labels, and y holds continuous values (a regression target "
                 "or a regressor's predictions): compare the neighbours' values, "
@@ -453,11 +468,12 @@ class KernelNeighborsDisplay:
         check_matplotlib_support("KernelNeighborsDisplay.plot")
         ax, fig = _axes(ax)
         X, y = np.asarray(self.X), np.asarray(self.y)
-        if _continuous(y):
+        values = self._values()
+        if values:
             # Coded by rank as classes, each value was a class of its own: the colours
             # were spaced by rank, not value, with no scale to read them by.
             codes = y.astype(np.float64)
-            vmin, vmax = codes.min(), codes.max()
+            vmin, vmax = np.nanmin(codes), np.nanmax(codes)
         else:
             classes, codes = np.unique(y, return_inverse=True)
             vmin, vmax = 0, max(len(classes) - 1, 1)
@@ -473,7 +489,7 @@ class KernelNeighborsDisplay:
             ))
         # Opaque, on the neighbours' scale (the faint set's alpha would wash it out).
         self.colorbar_ = (fig.colorbar((self.neighbor_scatters_ or [self.scatter_])[0], ax=ax)
-                          if _continuous(y) else None)
+                          if values else None)
         A = np.asarray(self.anchors)
         self.anchor_scatter_ = ax.scatter(A[:, 0], A[:, 1], marker="x", c="black", s=80,
                                           linewidths=2.5, zorder=5)
@@ -512,7 +528,9 @@ class KernelNeighborsDisplay:
             Number of kernel neighbours drawn per anchor.
         y : array-like of shape (n_train,), default=None
             Labels of the training set, in fit order. None colours the points by the
-            network's prediction instead (the estimator does not keep ``y``).
+            network's prediction instead (the estimator does not keep ``y``). A
+            regressor's float ``y`` (or predictions) is drawn by value, see
+            ``continuous``; its int ``y`` as labels.
         step : int, default=-1
             Recorded point of the tangent kernel (0: initialization).
         kernel : {"tangent", "path", "euclidean"}, default="tangent"
@@ -564,6 +582,11 @@ class KernelNeighborsDisplay:
                                         UserWarning)
                 y = estimator.predict(X)
         y = _labels(y, X.shape[0], "y (default: the estimator's predictions on X_fit_)")
+        # type_of_target calls a float array of integers (load_diabetes' target)
+        # "multiclass": a regressor's float targets or predictions are values; its int
+        # labels (a grouping of the points) stay classes.
+        continuous = (True if hasattr(estimator, "__sklearn_tags__") and is_regressor(estimator)
+                      and y.dtype.kind == "f" else None)
         if kernel == "euclidean":
             # As kneighbors checks them for the kernels: a bool is not a count, and the
             # kernels' options, unused here, were taken whatever they were (step="a").
@@ -589,7 +612,8 @@ class KernelNeighborsDisplay:
                                                      step=step, normalized=normalized)
             title = (f"{n_neighbors} nearest under the "
                      f"{_kernel_label(kernel, step, normalized, net.trajectory.steps)}")
-        disp = cls(X, y, anchors, neighbors, distances=distances, title=title)
+        disp = cls(X, y, anchors, neighbors, distances=distances, continuous=continuous,
+                   title=title)
         return disp.plot(ax=ax, cmap=cmap, legend=legend)
 
 

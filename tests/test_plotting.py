@@ -1029,13 +1029,18 @@ def test_keywords_that_clash_with_the_displays_own_fail_early_or_win(circle, mon
     assert [line.get_label() for line in disp.lines_] == ["mine", "mine"]
 
 
-def test_tangent_embedding_of_regression_targets_draws_values_on_a_colour_bar():
+@pytest.mark.parametrize("integers", [False, True])
+def test_tangent_embedding_of_regression_targets_draws_values_on_a_colour_bar(integers):
     """Continuous y made one legend entry per sample (np.unique of floats); it is drawn
-    on a sequential map, each point's colour the map's at its value."""
+    on a sequential map, each point's colour the map's at its value. So is a regressor's
+    float target of integers (load_diabetes'), which type_of_target calls "multiclass"
+    and the display drew as one class per value."""
     import matplotlib as mpl
 
     X, y = make_circle(n_samples=30, random_state=0)
     target = np.sin(3 * X[:, 0]) + X[:, 1]
+    if integers:
+        target = np.round(40 * target + 150)
     reg = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, tol=None,
                             random_state=0).fit(X, target)
     disp = TangentEmbeddingDisplay.from_estimator(reg, X, target, method="pca")
@@ -1047,3 +1052,9 @@ def test_tangent_embedding_of_regression_targets_draws_values_on_a_colour_bar():
     # Labels stay classes with a legend.
     disp = TangentEmbeddingDisplay.from_estimator(reg, X, y, method="pca")
     assert disp.colorbar_ is None and len(disp.ax_.get_legend().get_texts()) == 2
+    # Said by hand: values, or the same numbers as labels.
+    E = disp.embedding
+    assert TangentEmbeddingDisplay(E, target, continuous=True).plot().colorbar_ is not None
+    as_labels = TangentEmbeddingDisplay(E, target, continuous=False).plot()
+    assert as_labels.colorbar_ is None
+    assert len(as_labels.ax_.get_legend().get_texts()) == len(np.unique(target))

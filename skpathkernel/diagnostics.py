@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from sklearn.frozen import FrozenEstimator
 from sklearn.pipeline import Pipeline
 from sklearn.utils import check_array, check_random_state
 from sklearn.utils._param_validation import validate_params
@@ -140,8 +141,9 @@ class HessianTracePath:
 
 # A Pipeline passes validate_params so that network_of refuses it with its hint (pass
 # pipe[-1], on pipe[:-1].transform(X)), as the kernels do: validate_params' own message
-# named private classes and no way out.
-_ESTIMATOR = [FittedNetworkMixin, RecordedNetwork, Pipeline]
+# named private classes and no way out. A FrozenEstimator forwards to the estimator it
+# holds, whose network network_of reads, as for the kernels and the displays.
+_ESTIMATOR = [FittedNetworkMixin, RecordedNetwork, FrozenEstimator, Pipeline]
 
 _COMMON_CONSTRAINTS = {
     "estimator": _ESTIMATOR,
@@ -183,7 +185,8 @@ def hessian_trace(estimator, X=None, y=None, *, sample_weight=None, n_samples=10
     estimator : fitted skpathkernel estimator
         PathKernelMachine or PathKernelClassifier (its network and training loss); a
         meta-estimator (TangentFeatures, TangentFeatureSVM, OODRankDetector) stands for
-        its ``estimator_``; a :class:`~skpathkernel.RecordedNetwork` (a loop recorded by
+        its ``estimator_``, a :class:`~sklearn.frozen.FrozenEstimator` for the estimator
+        it holds; a :class:`~skpathkernel.RecordedNetwork` (a loop recorded by
         :class:`~skpathkernel.PathRecorder`, with its ``loss``) is the network it holds,
         and its ``y`` is in the terms of that loss, as its ``y_train``. Its network is
         evaluated as it is (``module_`` is in evaluation mode after ``fit``) with the
@@ -339,6 +342,7 @@ def loss_path(estimator, X=None, y=None, *, steps=None, batch_size=None):
     ----------
     estimator : fitted skpathkernel estimator
         As in :func:`hessian_trace` (a meta-estimator stands for its ``estimator_``, a
+        ``FrozenEstimator`` for the estimator it holds, a
         :class:`~skpathkernel.RecordedNetwork` for the network it holds, with its
         ``loss``). The network is evaluated as it is, with the parameters of each recorded
         point; the estimator is not modified.

@@ -371,6 +371,12 @@ class KernelNeighborsDisplay:
         space (``sqrt(2 - 2 K_hat)`` for the normalized kernel, see
         :meth:`~skpathkernel.PathKernelMachine.kneighbors`) or Euclidean in input space.
         Not drawn; :meth:`from_estimator` fills it.
+    continuous : bool, default=None
+        Whether ``y`` holds values (a regression target), drawn by value on a colour bar
+        and refused by :meth:`purity`, rather than labels. None decides from ``y`` as
+        scikit-learn's ``type_of_target`` does ("continuous": floats that are not all
+        integers); :meth:`from_estimator` passes True for a regressor's float targets or
+        predictions, which may all be integers (``load_diabetes``).
     title : str, default=None
         Title of the axes.
 
@@ -401,12 +407,14 @@ class KernelNeighborsDisplay:
     ((1, 5), 1.0)
     """
 
-    def __init__(self, X, y, anchors, neighbors, *, distances=None, title=None):
+    def __init__(self, X, y, anchors, neighbors, *, distances=None, continuous=None,
+                 title=None):
         self.X = X
         self.y = y
         self.anchors = anchors
         self.neighbors = neighbors
         self.distances = distances
+        self.continuous = continuous
         self.title = title
 
     def purity(self) -> np.ndarray:
@@ -420,7 +428,7 @@ class KernelNeighborsDisplay:
         -------
         purity : ndarray of shape (n_anchors,)
         """
-        if _continuous(self.y):
+        if _drawn_as_values(self.y, self.continuous):
             raise ValueError(
                 "purity counts labels, and y holds continuous values (a regression target "
                 "or a regressor's predictions): compare the neighbours' values, "
@@ -453,11 +461,12 @@ class KernelNeighborsDisplay:
         check_matplotlib_support("KernelNeighborsDisplay.plot")
         ax, fig = _axes(ax)
         X, y = np.asarray(self.X), np.asarray(self.y)
-        if _continuous(y):
+        values = _drawn_as_values(y, self.continuous)
+        if values:
             # Coded by rank as classes, each value was a class of its own: the colours
             # were spaced by rank, not value, with no scale to read them by.
             codes = y.astype(np.float64)
-            vmin, vmax = codes.min(), codes.max()
+            vmin, vmax = np.nanmin(codes), np.nanmax(codes)
         else:
             classes, codes = np.unique(y, return_inverse=True)
             vmin, vmax = 0, max(len(classes) - 1, 1)
@@ -473,7 +482,7 @@ class KernelNeighborsDisplay:
             ))
         # Opaque, on the neighbours' scale (the faint set's alpha would wash it out).
         self.colorbar_ = (fig.colorbar((self.neighbor_scatters_ or [self.scatter_])[0], ax=ax)
-                          if _continuous(y) else None)
+                          if values else None)
         A = np.asarray(self.anchors)
         self.anchor_scatter_ = ax.scatter(A[:, 0], A[:, 1], marker="x", c="black", s=80,
                                           linewidths=2.5, zorder=5)
@@ -512,7 +521,9 @@ class KernelNeighborsDisplay:
             Number of kernel neighbours drawn per anchor.
         y : array-like of shape (n_train,), default=None
             Labels of the training set, in fit order. None colours the points by the
-            network's prediction instead (the estimator does not keep ``y``).
+            network's prediction instead (the estimator does not keep ``y``). A
+            regressor's float ``y`` (or predictions) is drawn by value, see
+            ``continuous``; its int ``y`` as labels.
         step : int, default=-1
             Recorded point of the tangent kernel (0: initialization).
         kernel : {"tangent", "path", "euclidean"}, default="tangent"
@@ -589,7 +600,8 @@ class KernelNeighborsDisplay:
                                                      step=step, normalized=normalized)
             title = (f"{n_neighbors} nearest under the "
                      f"{_kernel_label(kernel, step, normalized, net.trajectory.steps)}")
-        disp = cls(X, y, anchors, neighbors, distances=distances, title=title)
+        disp = cls(X, y, anchors, neighbors, distances=distances,
+                   continuous=_regressor_values(estimator, y), title=title)
         return disp.plot(ax=ax, cmap=cmap, legend=legend)
 
 
@@ -962,6 +974,23 @@ def _continuous(y) -> bool:
     return y.dtype.kind == "f" and np.isfinite(y).all() and type_of_target(y) == "continuous"
 
 
+def _drawn_as_values(y, continuous) -> bool:
+    """A display's ``continuous``, or, when None, whether ``y`` is continuous."""
+    if continuous is None:
+        return _continuous(y)
+    check_flag(continuous, "continuous")
+    return bool(continuous)
+
+
+def _regressor_values(estimator, y):
+    """``continuous`` for a display of ``y`` under ``estimator``: True for a regressor's
+    float targets or predictions, which type_of_target calls "multiclass" when they are
+    all integers (load_diabetes' target); None (decided from ``y``) otherwise, so that a
+    regressor's int labels (a grouping of the points) stay classes."""
+    regressor = hasattr(estimator, "__sklearn_tags__") and is_regressor(estimator)
+    return True if regressor and np.asarray(y).dtype.kind == "f" else None
+
+
 class TangentEmbeddingDisplay:
     """2-D embedding of tangent features at a recorded step, coloured by label.
 
@@ -979,6 +1008,11 @@ class TangentEmbeddingDisplay:
         The 2-D embedding of the tangent features, one row per sample.
     y : array-like of shape (n_samples,), default=None
         Labels of the samples, for their colours; None draws one colour.
+    continuous : bool, default=None
+        Whether ``y`` holds values (a regression target), drawn on a colour bar, rather
+        than labels. None decides from ``y`` as scikit-learn's ``type_of_target`` does
+        ("continuous": floats that are not all integers); :meth:`from_estimator` passes
+        True for a regressor's float ``y``, which may be all integers (``load_diabetes``).
     method : str, default=None
         Name of the embedding method, for the title.
     title : str, default=None
@@ -1005,9 +1039,10 @@ class TangentEmbeddingDisplay:
     ((20, 2), 'kernel PCA')
     """
 
-    def __init__(self, embedding, y=None, *, method=None, title=None):
+    def __init__(self, embedding, y=None, *, continuous=None, method=None, title=None):
         self.embedding = embedding
         self.y = y
+        self.continuous = continuous
         self.method = method
         self.title = title
 
@@ -1042,7 +1077,7 @@ class TangentEmbeddingDisplay:
         self.colorbar_ = None
         if self.y is None:
             self.scatter_ = ax.scatter(E[:, 0], E[:, 1], **kw)
-        elif _continuous(self.y):
+        elif _drawn_as_values(self.y, self.continuous):
             # A regression target: one colour per distinct value made a legend entry per
             # sample. Values on a sequential map, read off a colour bar.
             self.scatter_ = ax.scatter(E[:, 0], E[:, 1], c=np.asarray(self.y, dtype=float),
@@ -1093,7 +1128,8 @@ class TangentEmbeddingDisplay:
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
             The samples, in the form the network was fitted on.
         y : array-like of shape (n_samples,), default=None
-            Colours.
+            Colours: labels, or a regressor's float targets, drawn by value (see
+            ``continuous``).
         step : int, default=-1
             Recorded point (0: initialization).
         method : {"auto", "umap", "tsne", "pca"}, default="auto"
@@ -1155,7 +1191,8 @@ class TangentEmbeddingDisplay:
                     transform="default").fit_transform(D)
         name = _METHOD_NAMES[resolved]
         title = f"tangent features at {_point_label(step, net.trajectory.steps)} ({name})"
-        disp = cls(E, y=y, method=name, title=title)
+        disp = cls(E, y=y, continuous=None if y is None else _regressor_values(estimator, y),
+                   method=name, title=title)
         return disp.plot(ax=ax, cmap=cmap, legend=legend, **scatter_kw)
 
 

@@ -10,6 +10,7 @@ import scipy.sparse as sp
 import torch
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
+from sklearn.frozen import FrozenEstimator
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
@@ -675,3 +676,26 @@ def test_a_pipeline_is_refused_with_the_way_to_its_network(function):
     exact = np.trace(_exact_hessian(est, X=Z, Y=y))
     res = hessian_trace(est, Z, y, n_samples=400, random_state=0)
     assert abs(res.trace - exact) < 4 * res.stderr
+
+
+def test_a_frozen_estimator_stands_for_the_estimator_it_holds():
+    """The kernels and displays read a FrozenEstimator's network (network_of forwards
+    to it); hessian_trace, hessian_trace_path and loss_path refused it in validate_params,
+    naming private classes. Its trace is the exact trace of the network it holds, with
+    the same probes as the estimator's own, and so are its path and losses."""
+    X = np.random.RandomState(0).uniform(-1, 1, size=(12, 2))
+    y = np.digitize(X[:, 0], [-0.3, 0.3])
+    clf = PathKernelClassifier(hidden_layer_sizes=(3,), activation="tanh", max_iter=3,
+                               tol=None, dtype="float64", random_state=0).fit(X, y)
+    frozen = FrozenEstimator(clf)
+    res = hessian_trace(frozen, n_samples=400, random_state=0)
+    exact = np.trace(_exact_hessian(clf))
+    assert abs(res.trace - exact) < 4 * res.stderr
+    np.testing.assert_array_equal(
+        res.estimates, hessian_trace(clf, n_samples=400, random_state=0).estimates)
+    np.testing.assert_array_equal(
+        hessian_trace_path(frozen, X[:5], y[:5], steps=[0, -1], n_samples=5,
+                           random_state=0).estimates,
+        hessian_trace_path(clf, X[:5], y[:5], steps=[0, -1], n_samples=5,
+                           random_state=0).estimates)
+    np.testing.assert_array_equal(loss_path(frozen), loss_path(clf))

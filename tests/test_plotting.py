@@ -285,13 +285,26 @@ def test_neighbors_display_holds_their_distances(circle, kernel, step):
                                rtol=1e-9, atol=1e-12)
 
 
+def _assert_values_on_colour_bar(disp, values):
+    """Each neighbour's face colour is ``coolwarm`` of its value on the values' range,
+    with a colour bar, and ``purity``, which counts labels, refuses them."""
+    import matplotlib as mpl
+
+    assert disp.colorbar_ is not None
+    norm = mpl.colors.Normalize(values.min(), values.max())
+    disp.figure_.canvas.draw()  # the values' colours are mapped when drawn
+    for idx, scatter in zip(disp.neighbors, disp.neighbor_scatters_):
+        np.testing.assert_allclose(scatter.get_facecolors(),
+                                   mpl.colormaps["coolwarm"](norm(values[idx])), atol=1e-12)
+    with pytest.raises(ValueError, match="continuous"):
+        disp.purity()
+
+
 def test_neighbors_of_a_regressor_draw_values_on_a_colour_bar():
     """A regressor's continuous predictions (or targets) were coded by rank as classes:
     colours spaced by rank, not value, no scale, and a purity of 1 / n_neighbors for any
     neighbourhood. Values are drawn on the map by value, with a colour bar; purity,
     which counts labels, is refused."""
-    import matplotlib as mpl
-
     X, y = make_circle(n_samples=30, random_state=0)
     target = np.sin(3 * X[:, 0]) + X[:, 1]
     reg = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, tol=None, dtype="float64",
@@ -299,21 +312,43 @@ def test_neighbors_of_a_regressor_draw_values_on_a_colour_bar():
     anchors = np.array([[0.1, 0.2], [-0.5, 0.3]])
     for given, values in ((None, reg.predict(X)), (target, target)):
         disp = KernelNeighborsDisplay.from_estimator(reg, anchors, 5, y=given)
-        assert disp.colorbar_ is not None
-        norm = mpl.colors.Normalize(values.min(), values.max())
-        disp.figure_.canvas.draw()  # the values' colours are mapped when drawn
-        for idx, scatter in zip(disp.neighbors, disp.neighbor_scatters_):
-            np.testing.assert_allclose(scatter.get_facecolors(),
-                                       mpl.colormaps["coolwarm"](norm(values[idx])),
-                                       atol=1e-12)
-        with pytest.raises(ValueError, match="continuous"):
-            disp.purity()
+        _assert_values_on_colour_bar(disp, values)
     # Labels stay classes, without a colour bar, and keep their purity.
     disp = KernelNeighborsDisplay.from_estimator(reg, anchors, 5, y=y)
     assert disp.colorbar_ is None
     np.testing.assert_allclose(
         disp.purity(), [np.unique(y[i], return_counts=True)[1].max() / 5
                         for i in disp.neighbors])
+
+
+def test_neighbors_of_integer_valued_regression_targets_are_values():
+    """A regression target of integer values in a float array (scikit-learn's
+    ``load_diabetes``: 214 distinct values, all integers) is "multiclass" to
+    ``type_of_target``: the display drew each value as a class of its own (colours by
+    rank, no colour bar) and gave a purity of ``1 / n_neighbors``. A regressor's float
+    targets are values; its int labels (a grouping) stay classes; ``continuous`` says it
+    for a display built by hand."""
+    X, labels = make_circle(n_samples=30, random_state=0)
+    target = np.round(40 * X[:, 0] + 7 * X[:, 1] + 150)  # float64, integer-valued
+    reg = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, tol=None, dtype="float64",
+                            random_state=0).fit(X, target)
+    anchors = np.array([[0.1, 0.2], [-0.5, 0.3]])
+    disp = KernelNeighborsDisplay.from_estimator(reg, anchors, 5, y=target,
+                                                 kernel="euclidean")
+    assert disp.colorbar_ is not None
+    by_hand = KernelNeighborsDisplay(X, target, anchors, disp.neighbors,
+                                     continuous=True).plot()
+    for shown in (disp, by_hand):
+        _assert_values_on_colour_bar(shown, target)
+    # The same values as labels, said so by hand: classes, with their purity.
+    as_labels = KernelNeighborsDisplay(X, target, anchors, disp.neighbors,
+                                       continuous=False).plot()
+    assert as_labels.colorbar_ is None
+    np.testing.assert_allclose(as_labels.purity(), [
+        np.unique(target[i], return_counts=True)[1].max() / 5 for i in disp.neighbors])
+    disp = KernelNeighborsDisplay.from_estimator(reg, anchors, 5, y=labels,
+                                                 kernel="euclidean")
+    assert disp.colorbar_ is None and disp.purity().shape == (2,)
 
 
 # --------------------------------------------------------------------------- evolution
@@ -994,13 +1029,18 @@ def test_keywords_that_clash_with_the_displays_own_fail_early_or_win(circle, mon
     assert [line.get_label() for line in disp.lines_] == ["mine", "mine"]
 
 
-def test_tangent_embedding_of_regression_targets_draws_values_on_a_colour_bar():
+@pytest.mark.parametrize("integers", [False, True])
+def test_tangent_embedding_of_regression_targets_draws_values_on_a_colour_bar(integers):
     """Continuous y made one legend entry per sample (np.unique of floats); it is drawn
-    on a sequential map, each point's colour the map's at its value."""
+    on a sequential map, each point's colour the map's at its value. So is a regressor's
+    float target of integers (load_diabetes'), which type_of_target calls "multiclass"
+    and the display drew as one class per value."""
     import matplotlib as mpl
 
     X, y = make_circle(n_samples=30, random_state=0)
     target = np.sin(3 * X[:, 0]) + X[:, 1]
+    if integers:
+        target = np.round(40 * target + 150)
     reg = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, tol=None,
                             random_state=0).fit(X, target)
     disp = TangentEmbeddingDisplay.from_estimator(reg, X, target, method="pca")
@@ -1012,3 +1052,9 @@ def test_tangent_embedding_of_regression_targets_draws_values_on_a_colour_bar():
     # Labels stay classes with a legend.
     disp = TangentEmbeddingDisplay.from_estimator(reg, X, y, method="pca")
     assert disp.colorbar_ is None and len(disp.ax_.get_legend().get_texts()) == 2
+    # Said by hand: values, or the same numbers as labels.
+    E = disp.embedding
+    assert TangentEmbeddingDisplay(E, target, continuous=True).plot().colorbar_ is not None
+    as_labels = TangentEmbeddingDisplay(E, target, continuous=False).plot()
+    assert as_labels.colorbar_ is None
+    assert len(as_labels.ax_.get_legend().get_texts()) == len(np.unique(target))

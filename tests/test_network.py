@@ -17,6 +17,7 @@ import pytest
 import torch
 from _reference import features_loop, forward_recursion, gauss_nodes, jacobian_loop, module_at
 from sklearn.compose import TransformedTargetRegressor
+from sklearn.ensemble import BaggingRegressor
 from sklearn.exceptions import NotFittedError
 from sklearn.frozen import FrozenEstimator
 from sklearn.linear_model import Ridge
@@ -144,6 +145,48 @@ def test_a_wrapper_around_a_network_names_where_the_network_is(wrapper):
     J = jacobian_loop(inner(obj).module_, torch.as_tensor(X))
     np.testing.assert_allclose(TangentKernel(inner(obj))(X), (J[:, 0] @ J[:, 0].T).numpy(),
                                rtol=1e-10)
+
+
+@pytest.mark.parametrize("wrapper", ["search_of_pipeline", "pipeline_of_transformed"])
+def test_a_wrapper_nesting_a_pipeline_names_the_way_and_the_inputs(wrapper):
+    # The search a regression user runs is over a pipeline (the scaler inside the
+    # search): the error named no way, as for any wrapper whose estimator is a pipeline.
+    # The way and the inputs it names give the network's kernel.
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(16, 2)) * [1.0, 10.0]
+    y = 0.5 * np.tanh(X[:, 0] - X[:, 1] / 10)
+    reg = PathKernelMachine(hidden_layer_sizes=(3,), max_iter=2, tol=None, dtype="float64",
+                            random_state=0)
+    if wrapper == "search_of_pipeline":
+        obj = GridSearchCV(make_pipeline(StandardScaler(), reg),
+                           {"pathkernelmachine__alpha": [1e-4]}, cv=2).fit(X, y)
+        way, inputs = "best_estimator_[-1]", "best_estimator_[:-1].transform(X)"
+        inner, Z = obj.best_estimator_[-1], obj.best_estimator_[:-1].transform(X)
+    else:
+        obj = make_pipeline(StandardScaler(), TransformedTargetRegressor(
+            reg, func=np.arctanh, inverse_func=np.tanh, check_inverse=False)).fit(X, y)
+        way, inputs = "pipe[-1].regressor_", "pipe[:-1].transform(X)"
+        inner, Z = obj[-1].regressor_, obj[:-1].transform(X)
+    with pytest.raises(TypeError, match=re.escape(way) + ".*" + re.escape(inputs)):
+        TangentKernel(obj)(X)
+    J = jacobian_loop(inner.module_, torch.as_tensor(Z))
+    np.testing.assert_allclose(TangentKernel(inner)(Z), (J[:, 0] @ J[:, 0].T).numpy(),
+                               rtol=1e-10)
+
+
+def test_a_bag_of_networks_is_not_named_one_per_target():
+    # BaggingRegressor's estimators_ are one per bag, each fitted on a sample of the rows
+    # and on estimators_features_'s columns: the error called them one per target and
+    # sent X as it is to a network that takes two of its three columns.
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(16, 3))
+    bag = BaggingRegressor(PathKernelMachine(hidden_layer_sizes=(3,), max_iter=2, tol=None,
+                                             random_state=0),
+                           n_estimators=2, max_features=2, random_state=0).fit(X, X[:, 0])
+    with pytest.raises(TypeError, match=r"estimators_\[0\]") as info:
+        TangentKernel(bag)(X)
+    assert "per target" not in str(info.value)
+    assert bag.estimators_[0].n_features_in_ != X.shape[1]
 
 
 def test_memory_budget_is_read_from_the_estimator_at_each_call(data):

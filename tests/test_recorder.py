@@ -337,6 +337,62 @@ def test_a_random_forward_is_named_by_the_quadrature_warning(data):
     assert res.error > 1e-6
 
 
+def _train_split(opt, kw, split, clip=None, scaler=None, steps=6):
+    """A two-layer net trained by one optimizer or by one per layer (its parameters)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    X, Y = torch.randn(8, 3), torch.randn(8, 2)
+    parts = [list(net[0].parameters()), list(net[2].parameters())]
+    opts = [opt(p, **kw) for p in parts] if split else [opt(net.parameters(), **kw)]
+    for _ in range(steps):
+        for o in opts:
+            o.zero_grad()
+        loss = ((net(X) - Y) ** 2).mean()
+        if scaler is None:
+            loss.backward()
+        else:  # an overflow in the first layer's gradients only
+            scaler.scale(loss).backward()
+            net[0].weight.grad[0, 0] = float("inf")
+        for p in parts if clip == "part by part" else [net.parameters()] if clip else []:
+            torch.nn.utils.clip_grad_norm_(p, 0.05)
+        for o in opts:
+            scaler.step(o) if scaler is not None else o.step()
+        if scaler is not None:
+            scaler.update()
+    return torch.cat([p.detach().ravel() for p in net.parameters()])
+
+
+def test_two_optimizers_train_as_one_where_the_error_says():
+    """The refusal of a part's parameters advises an optimizer per part, saying that SGD,
+    Adam, AdamW and RMSprop train as one optimizer does: bit for bit against the one
+    optimizer, with their per-parameter state (momentum, amsgrad's maximum, centered
+    averages, weight decay, foreach). The loop around them can break it, which the error
+    said nothing of: gradients clipped part by part, and a GradScaler, which skips each
+    optimizer's step on its own (one optimizer skips every parameter's)."""
+    for opt, kw in [(torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True,
+                                           weight_decay=0.01)),
+                    (torch.optim.Adam, dict(lr=0.01, amsgrad=True, weight_decay=0.01)),
+                    (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1, foreach=True)),
+                    (torch.optim.RMSprop, dict(lr=0.01, centered=True, momentum=0.5))]:
+        assert torch.equal(_train_split(opt, kw, False), _train_split(opt, kw, True))
+        assert torch.equal(_train_split(opt, kw, False, clip="all"),
+                           _train_split(opt, kw, True, clip="all"))
+    sgd = (torch.optim.SGD, dict(lr=0.1))
+    assert not torch.allclose(_train_split(*sgd, False, clip="all"),
+                              _train_split(*sgd, True, clip="part by part"))
+    start = _train_split(*sgd, False, steps=0)
+    one = _train_split(*sgd, False, scaler=torch.amp.GradScaler("cpu"), steps=1)
+    two = _train_split(*sgd, True, scaler=torch.amp.GradScaler("cpu"), steps=1)
+    assert torch.equal(one, start) and not torch.equal(two, start)
+    enc, dec = torch.nn.Linear(3, 2), torch.nn.Linear(1, 3)
+    with pytest.raises(ValueError, match="its own optimizer") as info:
+        PathRecorder(dec, torch.optim.SGD([*enc.parameters(), *dec.parameters()], lr=0.1))
+    message = " ".join(str(info.value).split())
+    assert "clipped over all the parameters" in message
+    assert "scheduler stepped for each optimizer" in message
+    assert "GradScaler" in message
+
+
 def test_a_decoder_is_recorded_with_its_own_optimizer():
     """A VAE user recording the decoder alone, the latents ``z_i`` of each step declared
     with their images as targets: one optimizer over the whole VAE is refused, and the

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from scipy.sparse import issparse
 from sklearn.exceptions import NotFittedError
+from sklearn.multioutput import MultiOutputClassifier, MultiOutputRegressor
 from sklearn.utils.validation import check_is_fitted
 
 from .._analysis._attribution import (
@@ -1252,24 +1253,63 @@ def network_of(obj) -> TrainedNetwork:
 
 def _wrapped_network_hint(obj) -> str:
     """Where a scikit-learn wrapper fitted around a network keeps it, for the error of a
-    kernel or function given the wrapper (a search, TransformedTargetRegressor,
-    MultiOutputRegressor), which names no way to the network inside."""
-    steps = getattr(obj, "steps", None)
-    if steps and hasattr(steps[-1][1], "network_"):
-        # The network sees the inputs its pipeline's earlier steps transform.
-        return (" For a pipeline ending in one, pass its last step (pipe[-1]) and "
-                "inputs transformed by the steps before it (pipe[:-1].transform(X)).")
-    for name in ("best_estimator_", "regressor_", "estimator_"):
-        if hasattr(getattr(obj, name, None), "network_"):
-            # TransformedTargetRegressor's network is trained on func(y).
-            units = (", whose network was trained on the transformed targets"
-                     if name == "regressor_" else "")
-            return f" Pass the fitted estimator it holds, {name}{units}."
+    kernel or function given the wrapper (a pipeline, a search, TransformedTargetRegressor,
+    MultiOutputRegressor, nested in one another), which names no way to the network
+    inside."""
+    route = _network_route(obj)
+    if route is not None:
+        path, steps = route
+        if getattr(obj, "steps", None):
+            where = ("For a pipeline ending in one, pass its last step" if path == "[-1]"
+                     else "For a pipeline, pass the estimator in its last step that holds one")
+            path = "pipe" + path
+        else:
+            where, path = "Pass the fitted estimator it holds", path[1:]
+        inputs = "X"
+        for before in steps:
+            # The network sees the inputs its pipelines' earlier steps transform.
+            inputs = f"{'pipe' if before[0] == '[' else ''}{before.lstrip('.')}" \
+                     f".transform({inputs})"
+        # TransformedTargetRegressor's network is trained on func(y).
+        units = (", whose network was trained on the transformed targets"
+                 if "regressor_" in path else "")
+        on = "" if inputs == "X" else f", on inputs transformed by the steps before it " \
+                                      f"({inputs})"
+        return f" {where}, {path}{units}{on}."
     inner = getattr(obj, "estimators_", None)
-    if isinstance(inner, list) and inner and hasattr(inner[0], "network_"):
+    if not isinstance(inner, list):
+        return ""
+    found = [i for i, est in enumerate(inner) if _network_route(est) == ("", [])]
+    if not found:
+        return ""
+    if isinstance(obj, (MultiOutputRegressor, MultiOutputClassifier)):
         return (" It holds one fitted estimator per target in estimators_: pass one of "
                 "them, estimators_[i].")
-    return ""
+    # A bag's estimator saw a sample of the rows and estimators_features_'s columns, a
+    # chain's X with the earlier targets appended: not X as it is.
+    return (f" Its estimators_[{found[0]}] holds one, fitted on the inputs "
+            f"{type(obj).__name__} gave it, which need not be X as it is.")
+
+
+def _network_route(obj, depth: int = 4) -> tuple[str, list[str]] | None:
+    """The way from a fitted wrapper to the estimator holding the network
+    (``".best_estimator_[-1]"``) and the pipelines whose earlier steps transform its
+    inputs, outermost first (``[".best_estimator_[:-1]"]``); None where there is none."""
+    if hasattr(obj, "network_"):
+        return "", []
+    if depth == 0:
+        return None
+    steps = getattr(obj, "steps", None)
+    if steps:
+        found = _network_route(steps[-1][1], depth - 1)
+        return None if found is None else (
+            "[-1]" + found[0], ["[:-1]", *("[-1]" + step for step in found[1])])
+    for name in ("best_estimator_", "regressor_", "estimator_"):
+        inner = getattr(obj, name, None)
+        found = None if inner is None or inner is obj else _network_route(inner, depth - 1)
+        if found is not None:
+            return f".{name}{found[0]}", [f".{name}{step}" for step in found[1]]
+    return None
 
 
 def _fitted(estimator) -> bool:

@@ -737,8 +737,11 @@ class PathRecorder:
                 "not parameters of the module; the recorder needs every updated tensor to "
                 "be a named module parameter. To record a part of a model (a VAE's "
                 "decoder), give that part its own optimizer (SGD, Adam, AdamW and RMSprop "
-                "update each parameter on its own, so two optimizers train as one does), "
-                "or record the module that holds every parameter."
+                "update each parameter on its own, so two optimizers train as one does "
+                "where the loop around them does too: gradients clipped over all the "
+                "parameters at once, not part by part, a learning-rate scheduler stepped "
+                "for each optimizer, and no GradScaler, which skips each optimizer's step "
+                "on its own), or record the module that holds every parameter."
             )
         # torch.optim skips a parameter without a gradient: one frozen now
         # (requires_grad=False) is a constant of the path, as a parameter the optimizer

@@ -13,10 +13,10 @@ rank), ``nn.Conv1d`` / ``2d`` / ``3d``, ``nn.ConvTranspose1d`` / ``2d`` / ``3d``
 ``nn.MultiheadAttention`` (so ``nn.TransformerEncoderLayer`` with ``batch_first=True`` is
 structured end to end; with torch's default ``batch_first=False`` its feed-forward layers
 and norms read sequence-first ``(S, n, d)`` tensors, whose rows are not the samples, and
-fall back), ``nn.PReLU`` and ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` (packed sequences too; not
-``proj_size`` or dropout in training mode), and their subclasses that keep their
-``forward``; a linear layer holding its weight as ``(in, out)`` (Hugging Face's GPT-2
-``Conv1D``) takes :func:`transposed_linear_rule` once registered.
+fall back), ``nn.PReLU`` and ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` (packed sequences too, with
+``enforce_sorted=False``; not ``proj_size`` or dropout in training mode), and their subclasses
+that keep their ``forward``; a linear layer holding its weight as ``(in, out)`` (Hugging
+Face's GPT-2 ``Conv1D``) takes :func:`transposed_linear_rule` once registered.
 A raw ``nn.Parameter`` that no such layer holds is structured when the forward pass
 reads it once in an elementwise ``x + P``, ``x * P`` or ``P.expand(...)`` broadcast over
 the samples (class tokens, position embeddings, LayerScale gains), or reads a basic slice

@@ -23,7 +23,9 @@ reads from the layer's own input (``Rule.call_inputs``). The rule runs it as the
 batch in the samples' order, each row taking the steps of its own length and holding its
 state after (``torch.where``): no gradient reaches a site's positions past a sample's end,
 so each weight's per-sample gradient sums that sample's own steps; ``h0`` comes in and
-``h_n`` goes out in the call's order.
+``h_n`` goes out in the call's order. A packed sequence that does not carry the samples'
+order (``enforce_sorted=True``, or built without ``sorted_indices``) is declined: its rows
+may be the samples as the forward sorted them by length, which the rule cannot tell.
 
 ``proj_size``, dropout between layers in training mode and unbatched inputs are declined
 (the layer goes to the fallback, and :func:`layer_routes` says which of them declined it).
@@ -105,11 +107,17 @@ def _unpacked(args, call):
             or sequence.batch_sizes is not batch_sizes):
         return "a packed call whose input is not the layer's PackedSequence"
     n, T = int(batch_sizes[0]), len(batch_sizes)
+    if sequence.sorted_indices is None and n > 1:
+        # Rows in length order as the forward gave them: the samples sorted by the forward
+        # itself (sort, pack, put h_n back) look the same, and the autograd check of the
+        # first rows misses it where they come sorted (a Gram 27% off).
+        return ("a packed sequence without its samples' order (enforce_sorted=True, or "
+                "built without sorted_indices): its rows may be the samples as the forward "
+                "sorted them, which the rule cannot tell; pack with enforce_sorted=False")
     rows = torch.arange(n)
     # Length of each row of the call: the number of steps whose batch still holds it.
     lengths = (batch_sizes.unsqueeze(1) > rows).sum(0)
-    order = sequence.sorted_indices
-    order = rows if order is None else order.cpu()
+    order = rows if sequence.sorted_indices is None else sequence.sorted_indices.cpu()
     steps = torch.repeat_interleave(torch.arange(T), batch_sizes)
     within = torch.cat([rows[:b] for b in batch_sizes.tolist()])
     device = data.device

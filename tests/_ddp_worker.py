@@ -7,6 +7,7 @@ Started by ``torch.multiprocessing.spawn``; each writes what the test checks und
 import contextlib
 import copy
 import datetime
+import gc
 import json
 import os
 
@@ -204,12 +205,22 @@ def _init(rank, world, port):
     torch.set_num_threads(1)
 
 
+def _destroy_process_group():
+    """Free the group from here, last, as docs/user_guide/scripts/train_ddp.py does: freed
+    by DDP's reducer in a collection (with the GIL held), gloo's join can wait forever on
+    a worker thread that needs the GIL to drop a finished gather's tensors."""
+    group = dist.group.WORLD
+    gc.collect()  # DDP's wrapper, in reference cycles, while the group is held here
+    dist.destroy_process_group()
+    del group  # torch's ProcessGroup releases the GIL as it is freed
+
+
 def main(rank, world, port, out, scenario):
     if scenario == "recorded_before_init":
         try:
             _run_recorded_before_init(rank, world, port, out)
         finally:
-            dist.destroy_process_group()
+            _destroy_process_group()
         return
     _init(rank, world, port)
     try:
@@ -220,4 +231,4 @@ def main(rank, world, port, out, scenario):
             _run(rank, world, out, scenario)
     finally:
         if scenario != "crash":
-            dist.destroy_process_group()
+            _destroy_process_group()

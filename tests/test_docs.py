@@ -211,21 +211,47 @@ def test_ddp_script_prints_what_the_guide_shows(tmp_path):
     script printed 3.99e-14). And no rank reaches the interpreter's exit with gloo's
     threads alive: one that frees a collective's tensors while Python shuts down takes the
     GIL and aborts the rank ("terminate called without an active exception"; rank 1 of
-    three CI runs of 2026-12-04/05, one run in 10-40 on a loaded two-core machine)."""
+    three CI runs of 2026-12-04/05, one run in 10-40 on a loaded two-core machine). And no
+    rank hangs in its teardown when a gloo thread still has a collective's tensors to drop
+    as the process group is freed: the probe makes that happen on rank 1 every run (one
+    all-reduce in flight, whose tensor Python has dropped, matched by rank 0 two seconds
+    after rank 1 starts tearing down). Freed with the GIL held (by DDP's reducer, in a
+    collection), the group joins a thread that waits for the GIL: the script hung there
+    one run in 11 on a loaded two-core machine (a CI timeout, 2026-12-07), and every run
+    with the probe's collective; ``faulthandler`` ends such a rank after 60 s with its
+    stack in the log."""
     page = (GUIDE / "distributed.rst").read_text()
     shown = re.search(r"\.\. code-block:: text\n\n((?:    .*\n)+)", page)[1]
     shown = [line.strip() for line in shown.splitlines()]
     script = GUIDE / "scripts" / "train_ddp.py"
     # The script runs as __main__ under a probe that, at exit (atexit runs before the
-    # interpreter's shutdown), writes the names of the threads still alive to stderr.
+    # interpreter's shutdown), writes the names of the threads still alive to stderr;
+    # and that, as the script destroys its process group, leaves rank 1's gloo thread a
+    # collective to finish (and its tensor to drop) once rank 0 joins in, two seconds
+    # after rank 1 has gone on to free the group.
     probe = tmp_path / "probe.py"
     probe.write_text(
-        "import atexit, os, runpy, sys\n"
+        "import atexit, faulthandler, os, runpy, sys, time\n"
+        "import torch, torch.distributed as dist\n"
         "def report():\n"
+        "    faulthandler.cancel_dump_traceback_later()\n"
         "    tasks = os.listdir('/proc/self/task')\n"
         "    names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in tasks]\n"
         "    print('threads at exit:', sorted(names), file=sys.stderr, flush=True)\n"
         "atexit.register(report)\n"
+        "destroy = dist.destroy_process_group\n"
+        "def destroy_with_a_collective_in_flight(*args, **kwargs):\n"
+        "    if dist.get_rank() == 1:\n"
+        "        dist.all_reduce(torch.zeros(1), async_op=True)\n"
+        "        open('rank1_tears_down', 'w').close()\n"
+        "    else:\n"
+        "        while not os.path.exists('rank1_tears_down'):\n"
+        "            time.sleep(0.01)\n"
+        "        time.sleep(2)\n"
+        "        dist.all_reduce(torch.zeros(1))\n"
+        "    faulthandler.dump_traceback_later(60, exit=True)\n"
+        "    destroy(*args, **kwargs)\n"
+        "dist.destroy_process_group = destroy_with_a_collective_in_flight\n"
         f"runpy.run_path({str(script)!r}, run_name='__main__')\n")
     # A user's shell: the environment the test process has gathered (libraries' own
     # variables set by earlier tests) is not handed on. Each rank's stderr goes to its

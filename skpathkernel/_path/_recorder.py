@@ -601,7 +601,12 @@ class PathRecorder:
         Under ``torch.distributed`` (an initialized process group of several
         processes): the rank that writes the trajectory. Every rank declares its own
         shard with :meth:`set_batch`; the recorder gathers the global batch of every
-        step to this rank, and the others record nothing.
+        step to this rank, and the others record nothing. On gloo, free the process
+        group last, from a reference of your own, as the distributed guide's script
+        does (hold ``dist.group.WORLD``, collect DDP's wrapper, destroy the group, drop
+        the reference): a gloo thread may still have a gather's tensors to drop, which
+        takes the GIL, and a group that DDP's reducer frees in a garbage collection
+        joins that thread holding the GIL, which hangs the rank.
     grad_scaler : torch.amp.GradScaler or None, default=None
         The scaler of a mixed-precision loop, whose scale the gradients of
         ``backward()`` carry until ``scaler.step`` undoes it.

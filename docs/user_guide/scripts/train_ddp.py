@@ -62,14 +62,19 @@ def main():
         print(f"reconstruction error {res.error:.2e} "
               f"(largest |f| {np.abs(res.prediction).max():.2f})")
     dist.barrier()  # every rank leaves together
+    # Free the process group last, from here: gloo joins its threads when the group is
+    # freed, and a thread may still have to drop a finished collective's tensors, which
+    # takes the GIL. Freed by DDP's reducer (its wrapper sits in reference cycles, and
+    # a collection frees it holding the GIL) the join would wait on that thread and the
+    # thread on the GIL: the rank hangs. torch's ProcessGroup releases the GIL as it is
+    # freed, so the group is held here until the wrapper is collected, and dropped last.
+    group = dist.group.WORLD
+    del model, opt, rec
+    gc.collect()
     dist.destroy_process_group()
+    del group  # gloo's threads are joined here, while Python is whole
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
-    # DDP's wrapper sits in reference cycles: collect it now, so that the process group
-    # is freed and gloo's threads are joined while Python is whole. A gloo thread that
-    # frees a collective's tensors during the interpreter's shutdown must take the GIL
-    # and aborts the rank ("terminate called without an active exception").
-    gc.collect()

@@ -15,12 +15,16 @@ Cases: ``unet-OUTPUT@N`` (the user trial's DDPM U-Net, c = 16 channels, 8 x 8 im
 C = 64 outputs; ``unet16-OUTPUT@N`` on 16 x 16 images, C = 256) and ``ARCH-OUTPUT@N`` for
 the benchmark's networks (:func:`benchmarks._worker.gram_problem`).
 
+``--cut check``: the switch is :data:`skpathkernel._tangent._gram.BATCHED_CHECK` instead
+(the one-sample autograd check by one batched backward pass over the outputs).
+
 Usage: ``OMP_NUM_THREADS=1 taskset -c 1 python -m benchmarks.bench_full_syrk_ab
 unet-full@32 unet-trace@64 cifar-full@128 [--reps R] [--peak]``. Results:
 ``benchmarks/results/gram_dense_route-s53.md``.
 """
 
 import argparse
+import functools
 from unittest import mock
 
 import torch
@@ -53,8 +57,9 @@ def problem(case):
     return module, params, X, {"output": output}
 
 
-def _side(name):
-    return mock.patch.object(_gram, "FULL_SYRK", name == "new")
+def _side(name, cut="syrk"):
+    switch = "FULL_SYRK" if cut == "syrk" else "BATCHED_CHECK"
+    return mock.patch.object(_gram, switch, name == "new")
 
 
 def main(argv=None):
@@ -62,8 +67,11 @@ def main(argv=None):
     parser.add_argument("cases", nargs="*", default=["unet-full@32"])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--peak", action="store_true")
+    parser.add_argument("--cut", default="syrk", choices=["syrk", "check"])
     args = parser.parse_args(argv)
-    alternated(args.cases, args.reps, args.peak, _side, problem=problem)
+    alternated(
+        args.cases, args.reps, args.peak, functools.partial(_side, cut=args.cut), problem=problem
+    )
 
 
 if __name__ == "__main__":

@@ -964,6 +964,23 @@ def test_reads_in_hooks_patches_and_hidden_code(make, rule_kept, numerical_check
     assert ("l1.weight" in fallback) != rule_kept
 
 
+@pytest.mark.parametrize("make, rule_kept", _READS)
+@pytest.mark.parametrize("batched", [True, False])
+def test_autograd_check_batched_or_per_output(make, rule_kept, batched, monkeypatch):
+    # The one-sample autograd check by one batched backward pass over the outputs where it
+    # fits an eighth of the budget (session s53), or one pass per output: either finds
+    # every read (the hidden ones are its alone) and the Gram matches the dense Jacobians.
+    monkeypatch.setattr(_gram, "BATCHED_CHECK", batched)
+    passes = []
+    real = _capture._batched_grads
+    monkeypatch.setattr(_capture, "_batched_grads",
+                        lambda *a: passes.append(real(*a)) or passes[-1])
+    fallback = _routing_against_loop(make, True, monkeypatch)
+    assert ("l1.weight" in fallback) != rule_kept
+    assert bool(passes) == batched
+    assert all(p is not None for p in passes)  # batched, not fallen back
+
+
 def _routing_against_loop(make, numerical_check, monkeypatch):
     """Gram and features of make() against the loop; the parameters sent to the fallback.
 

@@ -363,10 +363,16 @@ operations as before, bit for bit. The trial's own row then read
 0.484 s against torch.func's 0.353 (0.589 before, in the same process). Not kept:
 the formed terms of a "full" block concatenated into one SYRK (a 2048 x 4033 square of
 the U-Net at N = 32, 0.109-0.124 s against 0.110-0.123 for the twelve SYRKs of 1-2304
-columns: the small terms' triangles take 8 ms together). What is left there: the fixed
-cost of the probe capture and the one-sample autograd check (0.13 s: 2 x 64 backward
-passes on two rows; batched over the outputs, the check took 0.063 s against 0.105), the
-capture's 64 backward passes per chunk, the SYRKs at the GEMM rate.
+columns: the small terms' triangles take 8 ms together). Kept too (:data:`BATCHED_CHECK`):
+the one-sample autograd check (:func:`._capture._numerical_misfits`, one backward pass per
+output on two rows, mostly the cost per operation there) as one batched backward pass over
+the outputs wherever its gradients and intermediates fit an eighth of the budget, on the
+CPU too: the check alone 0.61 of its CPU time on the U-Net (0.048 s against 0.079), 0.69-
+0.80 on the ViT, ResNet and 8 x 8 CNN, 1.01-1.06 on the transformer and the CIFAR CNN
+(a few ms); the U-Net's calls 0.926 (trace, N = 64) and 0.910 (full, N = 32) of the CPU
+time by medians of 5 alternated rounds, K bit for bit. What is left there: the probe
+capture's 64 backward passes on its two rows, the chunks' 64 per chunk, the SYRKs at the
+GEMM rate.
 
 ``X`` is what the module takes, ``(n_samples, ...)``: float features, images, sequences,
 or integer token ids; kernels and features have the parameters' dtype.
@@ -436,6 +442,9 @@ ADD_ROWS = 256
 #: Whether a symmetric "full" block of dense rows takes the SYRK of its ``(n C, n C)``
 #: square and the other blocks one GEMM into theirs (session s53; the A/B's switch).
 FULL_SYRK = True
+#: Whether the one-sample autograd check is one batched backward pass over the outputs
+#: where it fits an eighth of the budget (session s53; the A/B's switch).
+BATCHED_CHECK = True
 
 
 
@@ -1150,7 +1159,10 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
     probe = capture(module, params, rows, outputs, memory_budget=memory_budget,
                     exclude=exclude, index=True, measure_graph=True, copy_sites=False,
                     fold_bn=True)
-    hidden = _numerical_misfits(module, params, rows, probe, outputs) if check_hidden \
+    # The check's batched pass over the outputs in the eighth of the budget that
+    # captures take (session s53).
+    hidden = _numerical_misfits(module, params, rows, probe, outputs,
+                                memory_budget // 8 if BATCHED_CHECK else 0) if check_hidden \
         else frozenset()
     if hidden:
         rows = X[:1]

@@ -64,16 +64,22 @@ def _side(cut, side):
     return stack
 
 
-def alternated(cases, reps, peak, side, budget=None):
+def alternated(cases, reps, peak, side, budget=None, problem=None):
     """Time, compare and (``peak``) measure ``tangent_gram`` on each ``NET@N`` case, the
     sides "ref" and "new" alternating ``reps`` times, each run inside ``side(name)``;
-    ``budget``: the calls' ``memory_budget`` (None: the default)."""
+    ``budget``: the calls' ``memory_budget`` (None: the default); ``problem``: the case's
+    ``(module, params, X, kwargs of tangent_gram)`` (None: the trace of ``NET@N``)."""
     torch.set_num_threads(1)
     kwargs = {} if budget is None else {"memory_budget": budget}
     for case in cases:
-        arch, n = case.split("@")
-        net, params, X = _worker.gram_problem({"arch": arch, "n": int(n), "dtype": "float32"})
-        gram = functools.partial(tangent_gram, net, params, X, **kwargs)
+        if problem is None:
+            arch, n = case.split("@")
+            net, params, X = _worker.gram_problem({"arch": arch, "n": int(n),
+                                                   "dtype": "float32"})
+            extra = {}
+        else:
+            net, params, X, extra = problem(case)
+        gram = functools.partial(tangent_gram, net, params, X, **kwargs, **extra)
         times, K = {"ref": [], "new": []}, {}
         print(case, "load before", os.getloadavg(), flush=True)
         for name in ("ref", "new"):

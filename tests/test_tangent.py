@@ -964,6 +964,23 @@ def test_reads_in_hooks_patches_and_hidden_code(make, rule_kept, numerical_check
     assert ("l1.weight" in fallback) != rule_kept
 
 
+@pytest.mark.parametrize("make, rule_kept", _READS)
+@pytest.mark.parametrize("batched", [True, False])
+def test_autograd_check_batched_or_per_output(make, rule_kept, batched, monkeypatch):
+    # The one-sample autograd check by one batched backward pass over the outputs where it
+    # fits an eighth of the budget (session s53), or one pass per output: either finds
+    # every read (the hidden ones are its alone) and the Gram matches the dense Jacobians.
+    monkeypatch.setattr(_gram, "BATCHED_CHECK", batched)
+    passes = []
+    real = _capture._batched_grads
+    monkeypatch.setattr(_capture, "_batched_grads",
+                        lambda *a: passes.append(real(*a)) or passes[-1])
+    fallback = _routing_against_loop(make, True, monkeypatch)
+    assert ("l1.weight" in fallback) != rule_kept
+    assert bool(passes) == batched
+    assert all(p is not None for p in passes)  # batched, not fallen back
+
+
 def _routing_against_loop(make, numerical_check, monkeypatch):
     """Gram and features of make() against the loop; the parameters sent to the fallback.
 
@@ -1775,6 +1792,90 @@ def test_symmetric_gram_of_formed_blocks_by_syrk(output, dtype, monkeypatch):
     _close(tangent_gram(module, params, X, output=output, check_hidden=False), K,
            1e-5 if dtype == torch.float32 else 1e-13)
     assert not alphas
+
+
+class _TinyUNet(nn.Module):
+    """The user trial's DDPM denoiser (benchmarks/trial_generative.py) at a test's size:
+    an embedding of the timestep read from the input, GroupNorm, a strided convolution,
+    ConvTranspose2d and a skip; the whole predicted image is the output."""
+
+    def __init__(self, c=4):
+        super().__init__()
+        self.temb = nn.Embedding(5, c)
+        self.cin = nn.Conv2d(1, c, 3, padding=1)
+        self.norm = nn.GroupNorm(2, c)
+        self.down = nn.Conv2d(c, c, 3, stride=2, padding=1)
+        self.upt = nn.ConvTranspose2d(c, c, 2, stride=2)
+        self.out = nn.Conv2d(2 * c, 1, 3, padding=1)
+
+    def forward(self, x):
+        t = x[:, 1, 0, 0].round().long()
+        h = F.silu(self.norm(self.cin(x[:, :1]) + self.temb(t)[:, :, None, None]))
+        return self.out(torch.cat([self.upt(F.silu(self.down(h))), h], 1)).flatten(1)
+
+
+def _unet_problem(n, dtype):
+    torch.manual_seed(0)
+    module = _TinyUNet().to(dtype)
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X = torch.cat([torch.randn(n, 1, 4, 4, dtype=dtype),
+                   torch.randint(5, (n, 1, 1, 1)).to(dtype).expand(n, 1, 4, 4)], 1)
+    return module, params, X
+
+
+@pytest.mark.parametrize("problem, n, n_out", [("resnet", 45, 3), ("resnet", 130, 1),
+                                               ("unet", 9, 16)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_full_gram_of_formed_blocks_by_syrk(problem, n, n_out, dtype, monkeypatch):
+    # "full" blocks of formed gradients (session s53): a symmetric block is the square of
+    # its (n C) rows of sample and output, one SYRK per formed term and the other terms
+    # (the head's rank-one term; the U-Net's embedding and position pairs) added by panels
+    # of samples; the blocks off the diagonal (a small budget), K(X, Y) and blocks_last take
+    # one GEMM per term into the block's square. Against the dense float64 Jacobians:
+    # an odd n, one output, 16 outputs; exactly symmetric; a float64 K of a float32
+    # network is the float32 K converted bit for bit.
+    if problem == "unet":
+        module, params, X = _unet_problem(n, dtype)
+    else:
+        module, params, X = _resnet_problem(n, dtype, n_out)
+    Y = X[: n // 2 + 1] * 0.5
+    alphas, panel_terms = _record_syrks(monkeypatch)
+    kw = dict(output="full", check_hidden=False)
+    K = tangent_gram(module, params, X, **kw)
+    if _stacked._blas_process_wide():
+        assert alphas and all(a == 1 and shape[0] == n * n_out for shape, a in alphas)
+        # The U-Net's embedding (an index term) and its 2 x 2 strided convolution (four
+        # positions: position pairs) by panels.
+        assert panel_terms == [["temb.weight", "down.weight"] if problem == "unet"
+                               else ["head.weight"]]
+    C = n_out
+    assert torch.equal(K, K.permute(2, 3, 0, 1))
+    JX, JY = _loop_jacobian(module, params, X), _loop_jacobian(module, params, Y)
+    rtol = 1e-5 if dtype == torch.float32 else RTOL
+    _close(K, torch.einsum("ncp,mdp->ncmd", JX, JX), rtol)
+    _close(tangent_gram(module, params, X, Y, **kw), torch.einsum("ncp,mdp->ncmd", JX, JY),
+           rtol)
+    last = tangent_gram(module, params, X, blocks_last=True, **kw)
+    assert torch.equal(last, K.permute(0, 2, 1, 3))
+    if dtype == torch.float32:
+        wide = tangent_gram(module, params, X, out_dtype=torch.float64, **kw)
+        assert torch.equal(wide, K.to(torch.float64))
+    # A small budget: chunks of a few rows (the U-Net: several row blocks, the diagonal
+    # ones by panels, the others by one GEMM per term into their squares).
+    squares = []
+    real = _gram._square
+    monkeypatch.setattr(_gram, "_square", lambda out: squares.append(out.shape) or real(out))
+    split = tangent_gram(module, params, X, memory_budget=2**21, **kw)
+    if problem == "unet":
+        assert any(shape[0] != shape[2] for shape in squares)
+    assert torch.equal(split, split.permute(2, 3, 0, 1))
+    _close(split, K, rtol)
+    # The panels of every term, as before session s53: the same K to rounding.
+    monkeypatch.setattr(_gram, "FULL_SYRK", False)
+    alphas.clear()
+    _close(tangent_gram(module, params, X, **kw), K, 1e-5 if dtype == torch.float32 else 1e-13)
+    assert not alphas
+    assert C == K.shape[1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

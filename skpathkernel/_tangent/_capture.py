@@ -1423,14 +1423,28 @@ def _own_memory(deltas: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def _batch_check_bytes(cap: Capture, wrt: Sequence[torch.Tensor], n_out: int) -> int:
+    """Bytes of :func:`_numerical_misfits`' batched pass over ``n_out`` outputs: every
+    output's gradient of every input, and its own copy of the backward's intermediates
+    (at most the rows' graph, ``cap.graph_bytes``)."""
+    return n_out * (sum(t.numel() * t.element_size() for t in wrt) + cap.graph_bytes)
+
+
 def _numerical_misfits(
     module: torch.nn.Module,
     params: Mapping[str, torch.Tensor],
     x: torch.Tensor,
     cap: Capture,
     outputs: Sequence[int],
+    batch_bytes: int = 0,
 ) -> frozenset[str]:
     """Rule-covered parameters whose factors disagree with autograd on a few samples.
+
+    ``batch_bytes``: the bytes that one batched backward pass over the outputs may take
+    (:func:`_batch_check_bytes`); where it fits, the outputs' passes are that one pass on
+    any device (on a few rows a pass per output is mostly the cost per operation: 0.61 of
+    the check's CPU time on the trial's U-Net with 64 outputs, 0.69-1.06 with 10; session
+    s53, ``benchmarks/results/gram_dense_route-s53.md``).
 
     The second line behind :class:`_UseWatch`, for what it cannot see: reads of a
     parameter hidden from torch functions (a TorchScript function or a C++ extension
@@ -1480,8 +1494,9 @@ def _numerical_misfits(
     wrt = [live[n] for n in covered] + [p for n, p in live.items() if n not in set(covered)]
     wrt += [x_in] if x_in.requires_grad else []
     seeds = [f[:, c] @ w for c in outputs]
-    batched = (_batched_grads(seeds, wrt) if len(seeds) > 1 and _batches_backprops(x.device)
-               else None)
+    fits = _batch_check_bytes(cap, wrt, len(seeds)) <= batch_bytes
+    batched = (_batched_grads(seeds, wrt)
+               if len(seeds) > 1 and (_batches_backprops(x.device) or fits) else None)
     if batched is not None:
         # (C, ...) per parameter: the outputs' sides at once.
         batched = [strided(g) for g in batched]

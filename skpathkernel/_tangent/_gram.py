@@ -340,6 +340,40 @@ in the panels, whose 128-row inner ones pack 2.5x the operand bytes per FLOP of 
 float64 K's writes and finiteness sum, tanh and its backward, and under 1 ms of Python in
 the panels (the loop 0.8 ms above a bare script of the same operations).
 
+Session s53 (``benchmarks/results/gram_dense_route-s53.md``): a user trial found
+``output="full"`` on a small DDPM U-Net (C = 64 outputs, the whole 8 x 8 image, P = 4033,
+N = 32) at 1.8x the time of a user's ``vmap(jacrev)`` J J^T. The engine already takes the
+dense route there: every term but the embedding and a 2 x 2 convolution is formed into
+per-sample gradient blocks (the cost model of :func:`._contract.gram_route`), so the
+pairwise contraction of factors was not the waste. The "full" products of formed blocks
+were: each term's ``C x C`` blocks by a GEMM into a fresh ``(n C, n C)`` tensor (16 MB at
+N = 32, its pages faulted in every time), added to the block, and the diagonal block's
+squares symmetrised through a permuted copy of the whole block, twelve times per call.
+Kept (:data:`FULL_SYRK`): the symmetric block of a "full" Gram is the square of the
+``(n C, r)`` rows of sample and output, so the formed terms take one SYRK each on it, as a
+trace's do (:func:`_syrk_block`), the other terms by panels of samples and the exact mirror;
+the blocks off the diagonal (and ``K(X, Y)``) one GEMM per formed term straight into the
+block's ``(n C, m C)`` square (:func:`_square`). U-Net full, by medians of 5 alternated
+rounds in two runs (one pinned core, load 7-10): 0.707 and 0.739 of the CPU time at
+N = 32 (0.621-0.857 by round), 0.454 and 0.440 at N = 64 (0.373-0.497), K to 1.6e-7 of
+its largest entry, the peak of torch's allocations less K 42.6 MiB against 47.8 and 51.9
+against 126.2; "full" on the benchmark's networks 0.789 (CIFAR CNN, N = 128), 0.840
+(ResNet, N = 64), 0.851 (ViT, N = 64), the same peaks; the trace Grams take the same
+operations as before, bit for bit. The trial's own row then read
+0.484 s against torch.func's 0.353 (0.589 before, in the same process). Not kept:
+the formed terms of a "full" block concatenated into one SYRK (a 2048 x 4033 square of
+the U-Net at N = 32, 0.109-0.124 s against 0.110-0.123 for the twelve SYRKs of 1-2304
+columns: the small terms' triangles take 8 ms together). Kept too (:data:`BATCHED_CHECK`):
+the one-sample autograd check (:func:`._capture._numerical_misfits`, one backward pass per
+output on two rows, mostly the cost per operation there) as one batched backward pass over
+the outputs wherever its gradients and intermediates fit an eighth of the budget, on the
+CPU too: the check alone 0.61 of its CPU time on the U-Net (0.048 s against 0.079), 0.69-
+0.80 on the ViT, ResNet and 8 x 8 CNN, 1.01-1.06 on the transformer and the CIFAR CNN
+(a few ms); the U-Net's calls 0.926 (trace, N = 64) and 0.910 (full, N = 32) of the CPU
+time by medians of 5 alternated rounds, K bit for bit. What is left there: the probe
+capture's 64 backward passes on its two rows, the chunks' 64 per chunk, the SYRKs at the
+GEMM rate.
+
 ``X`` is what the module takes, ``(n_samples, ...)``: float features, images, sequences,
 or integer token ids; kernels and features have the parameters' dtype.
 """
@@ -405,6 +439,12 @@ MIN_CHUNK = 16
 SYRK_MIN_ROWS = 128
 #: Rows of the panels by which the terms other than a SYRK's are added (:func:`_add_upper`).
 ADD_ROWS = 256
+#: Whether a symmetric "full" block of dense rows takes the SYRK of its ``(n C, n C)``
+#: square and the other blocks one GEMM into theirs (session s53; the A/B's switch).
+FULL_SYRK = True
+#: Whether the one-sample autograd check is one batched backward pass over the outputs
+#: where it fits an eighth of the budget (session s53; the A/B's switch).
+BATCHED_CHECK = True
 
 
 
@@ -467,6 +507,15 @@ def _accumulate(out: torch.Tensor, tx: Term, ty: Term, mode: str, weight, layout
             out.addmm_(dx.reshape(n, C * r), dy.reshape(-1, C * r).T,
                        beta=0 if first else 1, alpha=len(tx.inputs) / C)
             return
+        square = _square(out) if mode == "full" and FULL_SYRK and all(
+            a is None for _, a in tx.inputs) else None
+        if square is not None:
+            # Their C x C blocks: one GEMM into the (n C, m C) square of the block, no
+            # product in a fresh tensor added after (session s53).
+            n, C, r = dx.shape
+            square.addmm_(dx.reshape(n * C, r), dy.reshape(-1, r).T,
+                          beta=0 if first else 1, alpha=len(tx.inputs))
+            return
         # sum over the term's parameters of (a . a') times the shared (delta . delta').
         reuse = scratch is not None and mode != "full"
         shape = (dx.shape[0], dy.shape[0])
@@ -518,6 +567,16 @@ def _accumulate(out: torch.Tensor, tx: Term, ty: Term, mode: str, weight, layout
         gy = dense_grad(ty, ay) if ay is None else \
             dense_grad(ty, ay, out=weight.scratch(1, (ty.delta.shape[0], C, size), ty.delta))
         out.add_(_contract(gx, gy, mode))
+
+
+def _square(out: torch.Tensor) -> torch.Tensor | None:
+    """An ``(n, C, m, C)`` block as the ``(n C, m C)`` matrix of its rows (a view), or
+    None where its strides do not allow one (a view of ``blocks_last``'s layout)."""
+    n, C, m, _ = out.shape
+    s = out.stride()
+    if s[0] != C * s[1] or s[2] != C * s[3] or s[3] != 1:
+        return None
+    return out.view(n * C, m * C)
 
 
 class _Scratch:
@@ -669,61 +728,79 @@ def _syrk_block(terms: list[Term], mode: str, weight, layout, out: torch.Tensor,
     converted bit for bit. The SYRKs write into ``out`` itself where it is a contiguous
     square of the terms' dtype (the same bits as the square copied), else into the square,
     written once into ``out``. Only on the CPU with torch on one thread, SciPy's BLAS an
-    OpenBLAS whose thread limit is process-wide (:func:`._stacked._syrk`), and not for
-    "full" (its ``(n, C, n, C)`` layout is not one square of rows).
+    OpenBLAS whose thread limit is process-wide (:func:`._stacked._syrk`). For "full" the
+    ``(n, C, n, C)`` block is the square of the ``(n C, r)`` rows of sample and output
+    (:data:`FULL_SYRK`), summed with weight 1 instead of ``1 / C``; the other terms are
+    added by panels of samples (:func:`_add_upper`), and the mirror makes each ``C x C``
+    block ``K(x, x)`` exactly symmetric too.
     """
     like = terms[0].delta
     n, C = like.shape[:2]
+    full = mode == "full"
+    # "full": the (n, C, n, C) block is the square of the (n C, r) rows of sample and
+    # output (see the module docs, session s53).
+    rows = n * C if full else n
     dense = [t for t in terms if _dense_rows(t, weight)]
-    if (mode == "full" or not dense or n < SYRK_MIN_ROWS or out.device.type != "cpu"
-            or not _blas_eligible(like)):
+    if (full and not FULL_SYRK or not dense or rows < SYRK_MIN_ROWS
+            or out.device.type != "cpu" or not _blas_eligible(like)):
         return False
     rest = [t for t in terms if not _dense_rows(t, weight)]
-    if _syrk_bytes(rest, n, mode, like.element_size()) > spare:
+    if _syrk_bytes(rest, n, mode, like.element_size(), C) > spare:
         return False
     with _blas_threads(1):
         if not _holds_blas():  # another thread's call holds SciPy's BLAS: the panels
             return False
         direct = out.is_contiguous() and out.dtype == like.dtype
-        acc = out if direct else torch.empty((n, n), dtype=like.dtype, device=like.device)
+        acc = (out.view(rows, rows) if direct else
+               torch.empty((rows, rows), dtype=like.dtype, device=like.device))
         syrk = _syrk(acc)
         acc.zero_()
         for t in dense:
-            syrk(t.delta.reshape(n, -1), alpha=len(t.inputs) / C)
+            syrk(t.delta.reshape(rows, -1), alpha=len(t.inputs) / (1 if full else C))
     if rest:
         _add_upper(acc, rest, mode, weight, layout)
     _mirror(acc, ADD_ROWS)
-    if acc is not out:
-        out.copy_(acc)
+    if not direct:
+        out.copy_(acc.view(out.shape))
     return True
 
 
-def _syrk_bytes(rest: list[Term], n: int, mode: str, itemsize: int) -> int:
-    """Bytes that :func:`_syrk_block` may take beside the Gram for a block of ``n`` rows:
-    the SYRK's square (counted also where it writes into the Gram itself, so that every
-    output dtype takes the same route), and the panel of :func:`_add_upper` with the
-    products of the other terms ``rest`` (a rank-one term's two, a position pair's
-    intermediates)."""
-    per_entry = 0
+def _syrk_bytes(rest: list[Term], n: int, mode: str, itemsize: int, C: int = 1) -> int:
+    """Bytes that :func:`_syrk_block` may take beside the Gram for a block of ``n`` rows
+    (``C`` outputs): the SYRK's square (counted also where it writes into the Gram itself,
+    so that every output dtype takes the same route), and the panel of :func:`_add_upper`
+    with the products of the other terms ``rest`` (a rank-one term's two, a position
+    pair's intermediates)."""
+    c2 = C * C if mode == "full" else 1
+    per_pair = 0
     if rest:
-        per_entry = 3 * itemsize + sum(pair_bytes(t, mode, itemsize) for t in rest
-                                       if not rank_one(t))
-    return n * n * itemsize + min(ADD_ROWS, n) * n * per_entry
+        per_pair = 3 * itemsize * c2 + sum(pair_bytes(t, mode, itemsize) for t in rest
+                                           if not rank_one(t))
+    return n * n * c2 * itemsize + min(_add_rows(mode, C), n) * n * per_pair
 
 
-def _add_upper(K: torch.Tensor, terms: list[Term], mode: str, weight, layout,
-               rows: int = ADD_ROWS) -> None:
+def _add_rows(mode: str, C: int) -> int:
+    """Samples per panel of :func:`_add_upper`: ``ADD_ROWS`` rows of its square."""
+    return max(1, ADD_ROWS // C) if mode == "full" else ADD_ROWS
+
+
+def _add_upper(K: torch.Tensor, terms: list[Term], mode: str, weight, layout) -> None:
     """Add the terms' Gram to the upper triangle of the square ``K`` (and to some entries
-    below it, which the mirror overwrites), a panel of ``rows`` rows at a time."""
-    n = K.shape[0]
+    below it, which the mirror overwrites), a panel of rows at a time (:func:`_add_rows`;
+    "full": ``K`` is the ``(n C, n C)`` square of sample and output)."""
+    n, C = terms[0].delta.shape[:2]
+    full = mode == "full"
+    rows = _add_rows(mode, C)
+    if full:
+        K = K.view(n, C, n, C)
     scratch = _Scratch()
     terms = _folded(terms, weight)
     for s in range(0, n, rows):
         e = min(s + rows, n)
-        block = scratch.get((e - s, n - s), K)
+        block = scratch.get((e - s, C, n - s, C) if full else (e - s, n - s), K)
         _gram_into(block, _rows(terms, slice(s, e)), _rows(terms, slice(s, n)), mode, weight,
                    layout)
-        K[s:e, s:].add_(block)
+        (K[s:e, :, s:, :] if full else K[s:e, s:]).add_(block)
 
 
 def _symmetric_panels(terms: list[Term], mode: str, weight, layout, out: torch.Tensor,
@@ -1082,7 +1159,10 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
     probe = capture(module, params, rows, outputs, memory_budget=memory_budget,
                     exclude=exclude, index=True, measure_graph=True, copy_sites=False,
                     fold_bn=True)
-    hidden = _numerical_misfits(module, params, rows, probe, outputs) if check_hidden \
+    # The check's batched pass over the outputs in the eighth of the budget that
+    # captures take (session s53).
+    hidden = _numerical_misfits(module, params, rows, probe, outputs,
+                                memory_budget // 8 if BATCHED_CHECK else 0) if check_hidden \
         else frozenset()
     if hidden:
         rows = X[:1]

@@ -981,6 +981,45 @@ def test_autograd_check_batched_or_per_output(make, rule_kept, batched, monkeypa
     assert all(p is not None for p in passes)  # batched, not fallen back
 
 
+class _UnbatchableBackward(torch.autograd.Function):
+    """Identity whose backward reads its gradient's value (data-dependent control flow):
+    autograd cannot run it under a batched backward pass."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g if float(g.abs().sum()) >= 0 else -g
+
+
+class _UnbatchableScriptedRead(_ScriptedReadOnOneOutput):
+    """The hidden read of l1.weight on one output, behind a backward that cannot batch."""
+
+    def forward(self, x):
+        read = _scripted_product(x, self.l1.weight)[:, :1]
+        zero = torch.zeros_like(read)
+        h = torch.tanh(_UnbatchableBackward.apply(self.l1(x)))
+        return self.l2(h) + torch.cat([zero, read] if self.output else [read, zero], 1)
+
+
+@pytest.mark.parametrize("output", [0, 1])
+def test_autograd_check_falls_back_per_output_where_autograd_cannot_batch(output,
+                                                                          monkeypatch):
+    # The batched check (session s53) on a backward autograd cannot batch: the pass is
+    # tried, declined, and the per-output passes still find the read of l1.weight hidden
+    # from torch functions on one output alone; the Gram matches the dense Jacobians.
+    passes = []
+    real = _capture._batched_grads
+    monkeypatch.setattr(_capture, "_batched_grads",
+                        lambda *a: passes.append(real(*a)) or passes[-1])
+    fallback = _routing_against_loop(
+        functools.partial(_UnbatchableScriptedRead, output), True, monkeypatch)
+    assert "l1.weight" in fallback
+    assert passes and all(p is None for p in passes)
+
+
 def _routing_against_loop(make, numerical_check, monkeypatch):
     """Gram and features of make() against the loop; the parameters sent to the fallback.
 

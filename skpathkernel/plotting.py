@@ -310,7 +310,8 @@ class KernelMatrixDisplay:
             In the form of the estimator's training inputs (images, token ids, ...).
         y : array-like of shape (n_samples,), default=None
             Class of each sample: samples are reordered by class (stably) and the class
-            blocks are outlined. None keeps the order of ``X``.
+            blocks are outlined. None keeps the order of ``X``. Continuous values (a
+            regressor's float targets, see :class:`KernelNeighborsDisplay`) are refused.
         kernel : {"tangent", "path"}, default="tangent"
             The tangent kernel at recorded point ``step`` or the path kernel (over every
             recorded point: ``step`` other than -1 is refused).
@@ -335,6 +336,13 @@ class KernelMatrixDisplay:
         order = np.arange(X.shape[0])
         if y is not None:
             y = _labels(y, X.shape[0])
+            if _drawn_as_values(y, _regressor_values(estimator, y)):
+                # Each distinct value was a class of its own: a boundary between every
+                # two rows, and display_labels checked against as many classes.
+                raise ValueError(
+                    "KernelMatrixDisplay outlines the blocks of classes, and y holds "
+                    "continuous values (a regression target): pass class labels (e.g. "
+                    "np.digitize(y, bins)) or y=None.")
             order = np.argsort(y, kind="stable")
             y = y[order]
             _check_label_count(display_labels, len(np.unique(y)), "display_labels", "class")

@@ -1058,3 +1058,21 @@ def test_tangent_embedding_of_regression_targets_draws_values_on_a_colour_bar(in
     as_labels = TangentEmbeddingDisplay(E, target, continuous=False).plot()
     assert as_labels.colorbar_ is None
     assert len(as_labels.ax_.get_legend().get_texts()) == len(np.unique(target))
+
+
+@pytest.mark.parametrize("integer_valued", [False, True])
+def test_kernel_matrix_refuses_a_regression_target_as_classes(integer_valued):
+    """A regressor's float target was taken as classes: sorted, with a boundary line
+    between every two rows of distinct values (19 pairs of lines for 20 rows). Refused
+    now, before any kernel is computed; the same regressor with int labels (a grouping)
+    still outlines its blocks."""
+    X, labels = make_circle(n_samples=20, random_state=0)
+    target = 40 * X[:, 0] + 7 * X[:, 1] + 150
+    target = np.round(target) if integer_valued else target
+    reg = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=2, tol=None, dtype="float64",
+                            random_state=0).fit(X, target)
+    with pytest.raises(ValueError, match="continuous values"):
+        KernelMatrixDisplay.from_estimator(reg, X, target)
+    disp = KernelMatrixDisplay.from_estimator(reg, X, labels)
+    assert len(disp.boundary_lines_) == 2 * (len(np.unique(labels)) - 1)
+    plt.close("all")

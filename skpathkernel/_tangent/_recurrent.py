@@ -153,9 +153,10 @@ def _expand(layer, func, args, kwargs, call=()):
         params, num_layers, bidirectional = args[3], args[5], args[8]
         T = seq.shape[1]
         # Row i takes step t while t < its length; after, its state is held (its final
-        # state, or, running backwards, its initial one until its last step).
-        live = [None if bool(lengths.min() > t) else (lengths > t).unsqueeze(1)
-                for t in range(T)]
+        # state, or, running backwards, its initial one until its last step). The
+        # shortest length read once (not a device sync per step).
+        shortest = int(lengths.min())
+        live = [None if t < shortest else (lengths > t).unsqueeze(1) for t in range(T)]
     else:
         x, hx, params, _, num_layers, _, _, bidirectional, batch_first = args
         h0, c0 = hx if mode == "LSTM" else (hx, None)

@@ -501,20 +501,17 @@ def _accumulate(out: torch.Tensor, tx: Term, ty: Term, mode: str, weight, layout
             out.add_(pair_gram(tx, ty, mode))
             return
         dx, dy = tx.delta[:, :, 0], ty.delta[:, :, 0]
-        if mode != "full" and all(a is None for _, a in tx.inputs):
-            # Dense rows (gradient blocks, the fallback's Jacobians): one GEMM into out.
-            n, C, r = dx.shape
-            out.addmm_(dx.reshape(n, C * r), dy.reshape(-1, C * r).T,
-                       beta=0 if first else 1, alpha=len(tx.inputs) / C)
-            return
-        square = _square(out) if mode == "full" and FULL_SYRK and all(
+        full = mode == "full"
+        # Dense rows (gradient blocks, the fallback's Jacobians): one GEMM into out, for
+        # "full" into the (n C, m C) square of its C x C blocks, no product in a fresh
+        # tensor added after (session s53).
+        square = (out if not full else _square(out) if FULL_SYRK else None) if all(
             a is None for _, a in tx.inputs) else None
         if square is not None:
-            # Their C x C blocks: one GEMM into the (n C, m C) square of the block, no
-            # product in a fresh tensor added after (session s53).
             n, C, r = dx.shape
-            square.addmm_(dx.reshape(n * C, r), dy.reshape(-1, r).T,
-                          beta=0 if first else 1, alpha=len(tx.inputs))
+            rows, width = (n * C, r) if full else (n, C * r)
+            square.addmm_(dx.reshape(rows, width), dy.reshape(-1, width).T,
+                          beta=0 if first else 1, alpha=len(tx.inputs) / (1 if full else C))
             return
         # sum over the term's parameters of (a . a') times the shared (delta . delta').
         reuse = scratch is not None and mode != "full"

@@ -116,7 +116,9 @@ def _in_out_expand(layer, func, args, kwargs):
     # Handed on as a copy, as every site's output (an in-place op downstream, a ReLU's,
     # must not rewrite z: autograd then differentiates the rewritten tensor, or crashes
     # hooking a view of it), samples first: the layer's own view of it to (rows, out) is
-    # one of sample-major memory, which a next such layer reads back per sample.
+    # one of sample-major memory, which a next such layer reads back per sample. (Copied
+    # here, not left to the capture's copy of the view, ._capture._apart: that copy has no
+    # sample-major _base, and a next such layer then falls back.)
     return z.clone().view(*x.shape[:-1], w.shape[1]), [(a, z)]
 
 

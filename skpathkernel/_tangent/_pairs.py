@@ -200,20 +200,12 @@ def _merged(prepared: dict, term: Flat, k: int, p: int) -> tuple[torch.Tensor, t
             v, v2 = prepared[name]
             vs.append(v.reshape(k, p, -1))
             v2s.append(v2.reshape(p, -1))
-        scratch = getattr(prepared, "scratch", None)
-        if scratch is None:
-            prepared[key] = (torch.cat(vs, dim=2).reshape(k * p, -1).T.contiguous(),
-                             torch.cat(v2s, dim=1).T.contiguous())
-        else:  # the same values, copied input by input into the walk's held buffers
-            width = sum(v.shape[2] for v in vs)
-            vt = scratch.get(("vt", key), (width, k * p), vs[0].dtype)
-            v2t = scratch.get(("v2t", key), (width, p), v2s[0].dtype)
-            at = 0
-            for v, v2 in zip(vs, v2s):
-                vt[at : at + v.shape[2]].copy_(v.reshape(k * p, -1).T)
-                v2t[at : at + v.shape[2]].copy_(v2.T)
-                at += v.shape[2]
-            prepared[key] = (vt, v2t)
+        # Into the walk's held buffers where there are (prepare_directions' scratch).
+        scratch, width = prepared.scratch, sum(v.shape[2] for v in vs)
+        vt = None if scratch is None else scratch.get(("vt", key), (width, k * p), vs[0].dtype)
+        v2t = None if scratch is None else scratch.get(("v2t", key), (width, p), v2s[0].dtype)
+        prepared[key] = (torch.cat([v.reshape(k * p, -1).T for v in vs], out=vt),
+                         torch.cat([v2.T for v2 in v2s], out=v2t))
     return prepared[key]
 
 

@@ -115,11 +115,12 @@ def _unpacked(args, call):
                 "built without sorted_indices): its rows may be the samples as the forward "
                 "sorted them, which the rule cannot tell; pack with enforce_sorted=False")
     rows = torch.arange(n)
-    # Length of each row of the call: the number of steps whose batch still holds it.
-    lengths = (batch_sizes.unsqueeze(1) > rows).sum(0)
+    # (T, n): whether step t's batch holds row i. A row's length is its number of steps;
+    # the packed rows are the held (t, i) in row-major order, as nonzero gives them.
+    held = batch_sizes.unsqueeze(1) > rows
+    lengths = held.sum(0)
     order = rows if sequence.sorted_indices is None else sequence.sorted_indices.cpu()
-    steps = torch.repeat_interleave(torch.arange(T), batch_sizes)
-    within = torch.cat([rows[:b] for b in batch_sizes.tolist()])
+    steps, within = held.nonzero(as_tuple=True)
     device = data.device
     at = (order[within] * T + steps).to(device)
     seq = data.new_zeros(n * T, data.shape[1]).index_copy(0, at, data).unflatten(0, (n, T))
@@ -153,9 +154,10 @@ def _expand(layer, func, args, kwargs, call=()):
         params, num_layers, bidirectional = args[3], args[5], args[8]
         T = seq.shape[1]
         # Row i takes step t while t < its length; after, its state is held (its final
-        # state, or, running backwards, its initial one until its last step).
-        live = [None if bool(lengths.min() > t) else (lengths > t).unsqueeze(1)
-                for t in range(T)]
+        # state, or, running backwards, its initial one until its last step). The
+        # shortest length read once (not a device sync per step).
+        shortest = int(lengths.min())
+        live = [None if t < shortest else (lengths > t).unsqueeze(1) for t in range(T)]
     else:
         x, hx, params, _, num_layers, _, _, bidirectional, batch_first = args
         h0, c0 = hx if mode == "LSTM" else (hx, None)

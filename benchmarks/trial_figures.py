@@ -566,9 +566,13 @@ def part_extra():
         r = hessian_trace(e, n_samples=400, random_state=0)
         check(abs(r.trace - tr) < 4 * r.stderr, f"hessian_trace {what}",
               f"exact {tr:.5g}, est {r.trace:.5g} +- {r.stderr:.2g}")
-    # A Pipeline: the displays take it; hessian_trace refuses it (say how)
+    # A Pipeline: the displays take it, and since s54 hessian_trace too, as its last step
+    # on the transformed inputs (s53 refused it with the hint to do that by hand)
     pipe = make_pipeline(StandardScaler(), PathKernelClassifier(**KW)).fit(X2, y_bin)
-    raises(lambda: hessian_trace(pipe, n_samples=5), TypeError, "hessian_trace(Pipeline)")
+    got = hessian_trace(pipe, X2, y_bin, n_samples=5, random_state=0).estimates
+    by_hand = hessian_trace(pipe[-1], pipe[:-1].transform(X2), y_bin, n_samples=5,
+                            random_state=0).estimates
+    check(np.array_equal(got, by_hand), "hessian_trace(Pipeline) = last step on transformed X")
     # RankGapDisplay with a gap (P=17 > 6 training rows)
     reg = PathKernelMachine(**KW, normalize_y=False).fit(X2[:6], y_reg[:6])
     Xtr, Xte = X2[:6], X2[6:10] * 3

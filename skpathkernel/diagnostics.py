@@ -24,7 +24,7 @@ import torch
 from sklearn.frozen import FrozenEstimator
 from sklearn.pipeline import Pipeline
 from sklearn.utils import check_array, check_random_state
-from sklearn.utils._param_validation import validate_params
+from sklearn.utils._param_validation import HasMethods, validate_params
 from sklearn.utils.validation import check_consistent_length, check_is_fitted, column_or_1d
 
 from ._checkpoint import functional_call
@@ -32,7 +32,12 @@ from ._device import forward_input
 from ._estimators._base import FittedNetworkMixin, _check_weights, data_like_fit
 from ._memory import rows_per_block
 from ._modules import runs_module
-from ._network._trained import _as_array, network_of, output_block_rows
+from ._network._trained import (
+    _as_array,
+    network_of,
+    output_block_rows,
+    pipeline_last_step,
+)
 from ._path._recorder import RecordedNetwork
 from ._path._training import warn_drawing_now
 from ._second_order import check_twice_differentiable, twice_differentiable
@@ -139,11 +144,14 @@ class HessianTracePath:
         return len(self.steps)
 
 
-# A Pipeline passes validate_params so that network_of refuses it with its hint (pass
-# pipe[-1], on pipe[:-1].transform(X)), as the kernels do: validate_params' own message
-# named private classes and no way out. A FrozenEstimator forwards to the estimator it
-# holds, whose network network_of reads, as for the kernels and the displays.
-_ESTIMATOR = [FittedNetworkMixin, RecordedNetwork, FrozenEstimator, Pipeline]
+# A Pipeline stands for its last step on the inputs the steps before it give (as for the
+# displays, pipeline_last_step). A FrozenEstimator forwards to the estimator it holds,
+# whose network network_of reads, as for the kernels and the displays. Any other
+# estimator passes validate_params so that network_of refuses it with its hint (a search,
+# a bag: the estimator inside to pass), as the kernels and the displays do:
+# validate_params' own message named private classes and no way out.
+_ESTIMATOR = [FittedNetworkMixin, RecordedNetwork, FrozenEstimator, Pipeline,
+              HasMethods(["fit"])]
 
 _COMMON_CONSTRAINTS = {
     "estimator": _ESTIMATOR,
@@ -190,10 +198,14 @@ def hessian_trace(estimator, X=None, y=None, *, sample_weight=None, n_samples=10
         :class:`~skpathkernel.PathRecorder`, with its ``loss``) is the network it holds,
         and its ``y`` is in the terms of that loss, as its ``y_train``. Its network is
         evaluated as it is (``module_`` is in evaluation mode after ``fit``) with the
-        parameters of recorded point ``step``; the estimator is not modified. A
-        :class:`~sklearn.pipeline.Pipeline` ending in one is refused with a
-        ``TypeError``: pass its last step, ``pipe[-1]`` (whose ``X_fit_`` are the
-        transformed training inputs), and an explicit ``X`` as ``pipe[:-1].transform(X)``.
+        parameters of recorded point ``step``; the estimator is not modified. A fitted
+        :class:`~sklearn.pipeline.Pipeline` ending in one stands for its last step,
+        ``pipe[-1]`` (whose ``X_fit_`` are the transformed training inputs), with an
+        explicit ``X`` transformed by the steps before it, ``pipe[:-1].transform(X)``
+        (``y`` as it is: a pipeline passes it unchanged to the last step's fit), as
+        :mod:`skpathkernel.plotting`'s displays take it. Other wrappers (a search,
+        ``TransformedTargetRegressor``, a bag, one estimator per output) are refused with
+        a ``TypeError`` naming the estimator inside to pass.
     X : array-like of shape (n_samples_X, n_features) or (n_samples_X, ...), default=None
         Inputs, in the form of the training inputs (``input_shape_``). ``None``: the
         training inputs ``X_fit_``.
@@ -253,6 +265,7 @@ def hessian_trace(estimator, X=None, y=None, *, sample_weight=None, n_samples=10
     # validate_params takes a bool for an int: step=True was the trace at point 1, where
     # kneighbors, the kernels and the displays refuse it.
     step = check_index(step, "step")
+    estimator, X = pipeline_last_step(estimator, X)
     path = _hessian_traces(estimator, X, y, sample_weight, [step], n_samples, random_state,
                            batch_size)
     return path[0]
@@ -300,6 +313,7 @@ def hessian_trace_path(estimator, X=None, y=None, *, sample_weight=None, steps=N
     >>> path.steps.tolist(), path.optimizer_steps.tolist(), path.trace.shape
     ([0, 10, 20], [0, 10, 20], (3,))
     """
+    estimator, X = pipeline_last_step(estimator, X)
     check_is_fitted(estimator)
     steps = _steps_asked(steps, len(network_of(estimator).trajectory))
     return _hessian_traces(estimator, X, y, sample_weight, steps, n_samples,
@@ -392,6 +406,7 @@ def loss_path(estimator, X=None, y=None, *, steps=None, batch_size=None):
     >>> int(np.isin(suspects, np.arange(10)).sum())   # flipped ones among the top 10
     9
     """
+    estimator, X = pipeline_last_step(estimator, X)
     check_is_fitted(estimator)
     steps = _steps_asked(steps, len(network_of(estimator).trajectory))
     return _loss_path(estimator, X, y, steps, batch_size)

@@ -21,6 +21,7 @@ anything, as scikit-learn's displays do (the kernels can take minutes).
 
 from __future__ import annotations
 
+import math
 import numbers
 import warnings
 
@@ -32,11 +33,16 @@ from sklearn.manifold import TSNE
 from sklearn.pipeline import Pipeline
 from sklearn.utils._optional_dependencies import check_matplotlib_support
 from sklearn.utils.multiclass import type_of_target
-from sklearn.utils.validation import check_array, check_is_fitted
+from sklearn.utils.validation import check_array
 
 from ._analysis._rank_gap import TangentSpan
 from ._network._inputs import FEATURES
-from ._network._trained import _check_n_neighbors, check_step_applies, network_of
+from ._network._trained import (
+    _check_n_neighbors,
+    check_step_applies,
+    network_of,
+    pipeline_last_step,
+)
 from ._validation import check_column_names, check_flag, is_option
 from .kernels import PathKernel, step_kernel
 
@@ -50,26 +56,37 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- helpers
-def _axes(ax):
+def _axes(ax, display):
+    """The axes to draw ``display`` on, its figure, and the artists already there.
+
+    None makes a new figure, as scikit-learn's displays do. The axes ``display`` last drew
+    on is redrawn: its previous artists and colour bar are removed first, where drawing
+    over them stacked a second colour bar beside the first (and a legend of both draws)."""
     import matplotlib.pyplot as plt
 
     if ax is None:
         _, ax = plt.subplots()
-    return ax, ax.figure
+    elif getattr(display, "ax_", None) is ax:
+        # The colour bar first: its removal gives the axes back its space through the
+        # image or points it maps, which must still be there.
+        colorbar = getattr(display, "colorbar_", None)
+        if colorbar is not None and colorbar.ax in ax.figure.axes:
+            colorbar.remove()
+        there = set(ax.get_children())
+        for artist in getattr(display, "_artists", ()):
+            if artist in there:  # not removed (ax.clear()) since
+                artist.remove()
+    return ax, ax.figure, set(ax.get_children())
 
 
+def _drawn(display, ax, fig, before):
+    """Set ``display``'s ``ax_`` and ``figure_``, and note the artists its ``plot`` added
+    to ``ax`` (its children not in ``before``), for :func:`_axes` to remove on a redraw."""
+    display._artists = [a for a in ax.get_children() if a not in before]
+    display.ax_, display.figure_ = ax, fig
+    return display
 
-def _last_step(estimator, *inputs):
-    """A fitted :class:`~sklearn.pipeline.Pipeline`'s last step, and ``inputs`` (None
-    passes) through the steps before it: the displays read the last step's network, on
-    the inputs it takes. Anything else is returned as given."""
-    if not isinstance(estimator, Pipeline):
-        return (estimator, *inputs)
-    check_is_fitted(estimator)
-    if len(estimator) == 1:  # no step before it
-        return (estimator[-1], *inputs)
-    head = estimator[:-1]
-    return (estimator[-1], *(None if a is None else head.transform(a) for a in inputs))
+
 
 def _check_kernel(kernel, allowed=("tangent", "path")):
     if not is_option(kernel, *allowed):
@@ -113,6 +130,29 @@ def _check_class_colours(y, scatter_kw):
             f"{clash[0]}= conflicts with the colouring by class of y: choose the class "
             "colours with cmap, or pass y=None to colour the points yourself."
         )
+
+
+def _neighbor_kws(scatter_kw, neighbor_kw, anchor_kw):
+    """:class:`KernelNeighborsDisplay`'s artist keywords as dicts, the anchors' over
+    their defaults. Checked before drawing (and, in ``from_estimator``, before the
+    kernels): the points' colours are ``y``'s, and matplotlib refused a ``color`` beside
+    the ``c`` they are drawn with only once the first scatter was on the axes."""
+    kws = []
+    for name, kw in (("scatter_kw", scatter_kw), ("neighbor_kw", neighbor_kw),
+                     ("anchor_kw", anchor_kw)):
+        if kw is not None and not isinstance(kw, dict):
+            raise TypeError(f"{name} must be a dict of matplotlib keywords or None, got "
+                            f"{type(kw).__name__}.")
+        kws.append(dict(kw or {}))
+    for name, kw in zip(("scatter_kw", "neighbor_kw"), kws):
+        clash = sorted({"c", "color"} & set(kw))
+        if clash:
+            raise ValueError(f"{name}: {clash[0]}= conflicts with the colouring of the "
+                             "points by y: choose their colours with cmap.")
+    # The user's colour replaces the black (both c and color fail in matplotlib).
+    own = ({} if {"c", "color"} & set(kws[2]) else {"c": "black"})
+    kws[2] = {"marker": "x", "s": 80, "linewidths": 2.5, "zorder": 5, **own, **kws[2]}
+    return kws
 
 
 # Inputs with more values than this are named by their index in legends, not spelled out.
@@ -249,7 +289,8 @@ class KernelMatrixDisplay:
         Parameters
         ----------
         ax : matplotlib Axes, default=None
-            Axes to draw on; a new figure is created when None.
+            Axes to draw on; a new figure is created when None. The axes this display
+            last drew on is redrawn (its previous image and colour bar removed).
         cmap : str or Colormap, default="viridis"
             Matplotlib colormap.
         vmin, vmax : float, default=None
@@ -274,7 +315,7 @@ class KernelMatrixDisplay:
             # Checked before drawing, which a refusal would leave half done.
             values, starts, stops = self._blocks()
             _check_label_count(self.display_labels, len(starts), "display_labels", "class")
-        ax, fig = _axes(ax)
+        ax, fig, before = _axes(ax, self)
         K = np.asarray(self.kernel_matrix)
         self.im_ = ax.imshow(K, **{"cmap": cmap, "vmin": vmin, "vmax": vmax,
                                    "interpolation": "nearest", **(im_kw or {})})
@@ -291,8 +332,7 @@ class KernelMatrixDisplay:
         self.colorbar_ = fig.colorbar(self.im_, ax=ax) if colorbar else None
         if self.title is not None:
             ax.set_title(self.title)
-        self.ax_, self.figure_ = ax, fig
-        return self
+        return _drawn(self, ax, fig, before)
 
     @classmethod
     def from_estimator(cls, estimator, X, y=None, *, kernel: str = "tangent", step: int = -1,
@@ -329,7 +369,7 @@ class KernelMatrixDisplay:
         """
         check_matplotlib_support(f"{cls.__name__}.from_estimator")
         _check_display_labels(display_labels, y)
-        estimator, X = _last_step(estimator, X)
+        estimator, X = pipeline_last_step(estimator, X)
         net = network_of(estimator)
         check_column_names(estimator, X)
         X = net.check(X)
@@ -383,8 +423,9 @@ class KernelNeighborsDisplay:
         Whether ``y`` holds values (a regression target), drawn by value on a colour bar
         and refused by :meth:`purity`, rather than labels. None decides from ``y`` as
         scikit-learn's ``type_of_target`` does ("continuous": floats that are not all
-        integers); :meth:`from_estimator` passes True for a regressor's float targets or
-        predictions, which may all be integers (``load_diabetes``).
+        integers); :meth:`from_estimator` decides by the estimator (a regressor's
+        targets or predictions are values whatever their dtype: ``load_diabetes``' are
+        all integers).
     title : str, default=None
         Title of the axes.
 
@@ -449,25 +490,45 @@ class KernelNeighborsDisplay:
             out[a] = counts.max() / row.size
         return out
 
-    def plot(self, *, ax=None, cmap: str = "coolwarm", legend: bool = True):
+    def plot(self, *, ax=None, cmap: str = "coolwarm", legend: bool = True,
+             scatter_kw: dict | None = None, neighbor_kw: dict | None = None,
+             anchor_kw: dict | None = None):
         """Draw the training set, the anchors and their neighbourhoods.
 
         Parameters
         ----------
         ax : matplotlib Axes, default=None
-            Axes to draw on; None creates a new figure.
+            Axes to draw on; None creates a new figure. The axes this display last drew
+            on is redrawn (its previous drawing and colour bar removed).
         cmap : str or Colormap, default="coolwarm"
             Colours of the labels; continuous ``y`` (regression targets) is drawn by value
             on this map, read off a colour bar (``colorbar_``).
         legend : bool, default=True
             Name each anchor by its coordinates.
+        scatter_kw : dict, default=None
+            Keyword arguments of ``ax.scatter`` for the training set (``scatter_``), over
+            the display's own (``s=6``, ``alpha=0.25``, ``linewidths=0``). The points
+            are coloured by ``y``: ``c`` or ``color`` is refused (choose the colours
+            with ``cmap``).
+        neighbor_kw : dict, default=None
+            Keyword arguments of ``ax.scatter`` for each anchor's neighbours
+            (``neighbor_scatters_``), over the display's own (``s=22``, a marker per
+            anchor, ``edgecolors="black"``, ``linewidths=0.4``). A ``marker`` given is
+            every anchor's, in the legend too; ``c`` or ``color`` is refused, as in
+            ``scatter_kw``.
+        anchor_kw : dict, default=None
+            Keyword arguments of ``ax.scatter`` for the anchors (``anchor_scatter_``),
+            over the display's own (``marker="x"``, black, ``s=80``, ``linewidths=2.5``);
+            ``c`` or ``color`` replaces the black.
 
         Returns
         -------
         display : KernelNeighborsDisplay
         """
         check_matplotlib_support("KernelNeighborsDisplay.plot")
-        ax, fig = _axes(ax)
+        scatter_kw, neighbor_kw, anchor_kw = _neighbor_kws(scatter_kw, neighbor_kw,
+                                                           anchor_kw)
+        ax, fig, before = _axes(ax, self)
         X, y = np.asarray(self.X), np.asarray(self.y)
         values = _drawn_as_values(y, self.continuous)
         if values:
@@ -479,39 +540,41 @@ class KernelNeighborsDisplay:
             classes, codes = np.unique(y, return_inverse=True)
             vmin, vmax = 0, max(len(classes) - 1, 1)
         # The whole set faint, so that the highlighted neighbourhoods stand out.
-        self.scatter_ = ax.scatter(X[:, 0], X[:, 1], c=codes, cmap=cmap, vmin=vmin,
-                                   vmax=vmax, s=6, alpha=0.25, linewidths=0)
+        self.scatter_ = ax.scatter(X[:, 0], X[:, 1], c=codes, **{
+            "cmap": cmap, "vmin": vmin, "vmax": vmax, "s": 6, "alpha": 0.25,
+            "linewidths": 0, **scatter_kw})
         self.neighbor_scatters_ = []
         markers = ["o", "s", "^", "D", "v", "P"]
-        for a, idx in enumerate(np.asarray(self.neighbors)):
-            self.neighbor_scatters_.append(ax.scatter(
-                X[idx, 0], X[idx, 1], c=codes[idx], cmap=cmap, vmin=vmin, vmax=vmax, s=22,
-                marker=markers[a % len(markers)], edgecolors="black", linewidths=0.4,
-            ))
+        A = np.asarray(self.anchors)
+        # Each anchor's marker, for its neighbours and its legend entry alike.
+        marks = [neighbor_kw.get("marker", markers[a % len(markers)]) for a in range(len(A))]
+        for idx, marker in zip(np.asarray(self.neighbors), marks):
+            self.neighbor_scatters_.append(ax.scatter(X[idx, 0], X[idx, 1], c=codes[idx], **{
+                "cmap": cmap, "vmin": vmin, "vmax": vmax, "s": 22, "edgecolors": "black",
+                "linewidths": 0.4, **neighbor_kw, "marker": marker}))
         # Opaque, on the neighbours' scale (the faint set's alpha would wash it out).
         self.colorbar_ = (fig.colorbar((self.neighbor_scatters_ or [self.scatter_])[0], ax=ax)
                           if values else None)
-        A = np.asarray(self.anchors)
-        self.anchor_scatter_ = ax.scatter(A[:, 0], A[:, 1], marker="x", c="black", s=80,
-                                          linewidths=2.5, zorder=5)
+        self.anchor_scatter_ = ax.scatter(A[:, 0], A[:, 1], **anchor_kw)
         if legend:
             handles = [
-                ax.scatter([], [], marker=markers[a % len(markers)], facecolors="none",
+                ax.scatter([], [], marker=marker, facecolors="none",
                            edgecolors="black", label=f"({p[0]:.2g}, {p[1]:.2g})")
-                for a, p in enumerate(A)
+                for marker, p in zip(marks, A)
             ]
             ax.legend(handles=handles, fontsize="x-small", loc="upper right",
                       title="anchors", title_fontsize="x-small")
         ax.set_aspect("equal", adjustable="datalim")
         if self.title is not None:
             ax.set_title(self.title, fontsize="small")
-        self.ax_, self.figure_ = ax, fig
-        return self
+        return _drawn(self, ax, fig, before)
 
     @classmethod
     def from_estimator(cls, estimator, anchors, n_neighbors: int = 100, *, y=None,
                        step: int = -1, kernel: str = "tangent", normalized: bool = True,
-                       ax=None, cmap: str = "coolwarm", legend: bool = True):
+                       continuous=None, ax=None, cmap: str = "coolwarm", legend: bool = True,
+                       scatter_kw: dict | None = None, neighbor_kw: dict | None = None,
+                       anchor_kw: dict | None = None):
         """Find each anchor's nearest training points and plot them.
 
         Parameters
@@ -530,8 +593,8 @@ class KernelNeighborsDisplay:
         y : array-like of shape (n_train,), default=None
             Labels of the training set, in fit order. None colours the points by the
             network's prediction instead (the estimator does not keep ``y``). A
-            regressor's float ``y`` (or predictions) is drawn by value, see
-            ``continuous``; its int ``y`` as labels.
+            regressor's ``y`` (or predictions), float or int, is drawn by value, see
+            ``continuous``.
         step : int, default=-1
             Recorded point of the tangent kernel (0: initialization).
         kernel : {"tangent", "path", "euclidean"}, default="tangent"
@@ -539,7 +602,13 @@ class KernelNeighborsDisplay:
             comparison, Euclidean neighbours in input space.
         normalized : bool, default=True
             Rank by the normalized kernel ``K_hat`` (Guo, He & Morel's choice).
-        ax, cmap, legend
+        continuous : bool, default=None
+            Whether ``y`` holds values, drawn by value on a colour bar, rather than
+            labels. None decides by the estimator: a regressor's ``y`` (or predictions)
+            are values whatever their dtype; otherwise as scikit-learn's
+            ``type_of_target`` says ("continuous": floats that are not all integers).
+            False draws a regressor's int groups as labels.
+        ax, cmap, legend, scatter_kw, neighbor_kw, anchor_kw
             See :meth:`plot`.
 
         Returns
@@ -547,7 +616,11 @@ class KernelNeighborsDisplay:
         display : KernelNeighborsDisplay
         """
         check_matplotlib_support(f"{cls.__name__}.from_estimator")
-        estimator, anchors = _last_step(estimator, anchors)
+        # The artists' keywords and continuous, before the kernels.
+        _neighbor_kws(scatter_kw, neighbor_kw, anchor_kw)
+        if continuous is not None:
+            check_flag(continuous, "continuous")
+        estimator, anchors = pipeline_last_step(estimator, anchors)
         net = network_of(estimator)
         _check_kernel(kernel, ("tangent", "path", "euclidean"))
         X = net.X_fit
@@ -609,8 +682,9 @@ class KernelNeighborsDisplay:
             title = (f"{n_neighbors} nearest under the "
                      f"{_kernel_label(kernel, step, normalized, net.trajectory.steps)}")
         disp = cls(X, y, anchors, neighbors, distances=distances,
-                   continuous=_regressor_values(estimator, y), title=title)
-        return disp.plot(ax=ax, cmap=cmap, legend=legend)
+                   continuous=_values_by_estimator(estimator, y, continuous), title=title)
+        return disp.plot(ax=ax, cmap=cmap, legend=legend, scatter_kw=scatter_kw,
+                         neighbor_kw=neighbor_kw, anchor_kw=anchor_kw)
 
 
 # --------------------------------------------------------------------------- evolution
@@ -670,7 +744,8 @@ class KernelEvolutionDisplay:
         Parameters
         ----------
         ax : matplotlib Axes, default=None
-            Axes to draw on; None creates a new figure.
+            Axes to draw on; None creates a new figure. The axes this display last drew
+            on is redrawn (its previous lines removed).
         legend : bool, default=True
             Whether to draw a legend.
         **line_kw : dict
@@ -681,7 +756,7 @@ class KernelEvolutionDisplay:
         display : KernelEvolutionDisplay
         """
         check_matplotlib_support("KernelEvolutionDisplay.plot")
-        ax, fig = _axes(ax)
+        ax, fig, before = _axes(ax, self)
         labels = self.labels
         values = np.asarray(self.kernel_values)
         _check_label_count(labels, values.shape[1], "labels", "row of Y")
@@ -706,8 +781,7 @@ class KernelEvolutionDisplay:
             ax.set_ylabel(f"{self.ylabel} with x")
         if legend:
             ax.legend(fontsize="small")
-        self.ax_, self.figure_ = ax, fig
-        return self
+        return _drawn(self, ax, fig, before)
 
     @classmethod
     def from_estimator(cls, estimator, x, Y, *, steps=None, normalized: bool = True,
@@ -753,7 +827,7 @@ class KernelEvolutionDisplay:
             if len(row) != 1:
                 raise ValueError(f"x is one input, without the sample axis; got {len(row)} "
                                  "rows.")
-            estimator, row, Y = _last_step(estimator, row, Y)
+            estimator, row, Y = pipeline_last_step(estimator, row, Y)
             x = row[0] if isinstance(row, np.ndarray) else row.iloc[0]
         net = network_of(estimator)
         for values in (x, Y):
@@ -864,38 +938,43 @@ class RankGapDisplay:
         """``rank_joint - rank_train`` at each step shown."""
         return np.asarray(self.rank_joint) - np.asarray(self.rank_train)
 
-    def plot(self, *, ax=None, legend: bool = True):
+    def plot(self, *, ax=None, legend: bool = True, **line_kw):
         """Draw both ranks against the optimizer step.
 
         Parameters
         ----------
         ax : matplotlib Axes, default=None
-            Axes to draw on; None creates a new figure.
+            Axes to draw on; None creates a new figure. The axes this display last drew
+            on is redrawn (its previous lines removed).
         legend : bool, default=True
             Whether to draw a legend.
+        **line_kw : dict
+            Passed to ``ax.step`` for both lines (as :class:`KernelEvolutionDisplay`'s
+            to its lines), over the display's own: ``where="post"``, blue for the
+            training rank, red dashed for the joint one, and their labels. One line
+            alone is styled through ``lines_`` (``lines_[1].set_color(...)``).
 
         Returns
         -------
         display : RankGapDisplay
         """
         check_matplotlib_support("RankGapDisplay.plot")
-        ax, fig = _axes(ax)
+        ax, fig, before = _axes(ax, self)
+        own = [{"color": "tab:blue", "label": "rank J(X_train)"},
+               {"color": "tab:red", "linestyle": "--", "label": "rank J([X_train; X_test])"}]
         self.lines_ = [
-            ax.step(self.steps, self.rank_train, where="post", color="tab:blue",
-                    label="rank J(X_train)")[0],
-            ax.step(self.steps, self.rank_joint, where="post", color="tab:red",
-                    linestyle="--", label="rank J([X_train; X_test])")[0],
+            ax.step(self.steps, ranks, **{"where": "post", **kw, **line_kw})[0]
+            for ranks, kw in zip((self.rank_train, self.rank_joint), own)
         ]
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(f"numerical rank (rtol={self.rtol:.2g})")
         if legend:
             ax.legend(fontsize="small")
-        self.ax_, self.figure_ = ax, fig
-        return self
+        return _drawn(self, ax, fig, before)
 
     @classmethod
     def from_estimator(cls, estimator, X_train, X_test, *, steps=None, rtol=None, ax=None,
-                       legend: bool = True):
+                       legend: bool = True, **line_kw):
         """Compute both ranks at recorded points of the path and plot them.
 
         Parameters
@@ -922,13 +1001,15 @@ class RankGapDisplay:
             Axes to draw on; None creates a new figure.
         legend : bool, default=True
             Whether to draw a legend.
+        **line_kw : dict
+            See :meth:`plot`.
 
         Returns
         -------
         display : RankGapDisplay
         """
         check_matplotlib_support(f"{cls.__name__}.from_estimator")
-        estimator, X_train, X_test = _last_step(estimator, X_train, X_test)
+        estimator, X_train, X_test = pipeline_last_step(estimator, X_train, X_test)
         net = network_of(estimator)
         for values in (X_train, X_test):
             check_column_names(estimator, values)
@@ -952,7 +1033,7 @@ class RankGapDisplay:
             rank_joint.append(joint)
         disp = cls(np.asarray(net.trajectory.steps)[points], np.asarray(rank_train),
                    np.asarray(rank_joint), rtol=rtol)
-        return disp.plot(ax=ax, legend=legend)
+        return disp.plot(ax=ax, legend=legend, **line_kw)
 
 
 # --------------------------------------------------------------------------- embedding
@@ -990,13 +1071,29 @@ def _drawn_as_values(y, continuous) -> bool:
     return bool(continuous)
 
 
+def _is_regressor(estimator) -> bool:
+    return hasattr(estimator, "__sklearn_tags__") and is_regressor(estimator)
+
+
 def _regressor_values(estimator, y):
-    """``continuous`` for a display of ``y`` under ``estimator``: True for a regressor's
-    float targets or predictions, which type_of_target calls "multiclass" when they are
-    all integers (load_diabetes' target); None (decided from ``y``) otherwise, so that a
-    regressor's int labels (a grouping of the points) stay classes."""
-    regressor = hasattr(estimator, "__sklearn_tags__") and is_regressor(estimator)
-    return True if regressor and np.asarray(y).dtype.kind == "f" else None
+    """Whether :class:`KernelMatrixDisplay`'s class labels ``y`` are a regressor's float
+    targets, which type_of_target calls "multiclass" when they are all integers
+    (load_diabetes' target): True, or None (decided from ``y``), so that int labels
+    (``np.digitize(y, bins)``, the blocks asked for) stay classes."""
+    return True if _is_regressor(estimator) and np.asarray(y).dtype.kind == "f" else None
+
+
+def _values_by_estimator(estimator, y, continuous=None):
+    """``continuous`` for a display colouring the points by ``y`` under ``estimator``:
+    the user's, else True for a regressor's numeric targets or predictions whatever their
+    dtype (an int target, counts or ages, was drawn as one class per value, with a
+    legend entry each), else None (decided from ``y`` by type_of_target: a classifier's
+    labels, or ``y`` of a network without an estimator's type)."""
+    if continuous is not None:
+        check_flag(continuous, "continuous")
+        return bool(continuous)
+    numeric = np.asarray(y).dtype.kind in "iuf"
+    return True if _is_regressor(estimator) and numeric else None
 
 
 class TangentEmbeddingDisplay:
@@ -1019,8 +1116,8 @@ class TangentEmbeddingDisplay:
     continuous : bool, default=None
         Whether ``y`` holds values (a regression target), drawn on a colour bar, rather
         than labels. None decides from ``y`` as scikit-learn's ``type_of_target`` does
-        ("continuous": floats that are not all integers); :meth:`from_estimator` passes
-        True for a regressor's float ``y``, which may be all integers (``load_diabetes``).
+        ("continuous": floats that are not all integers); :meth:`from_estimator` decides
+        by the estimator (a regressor's ``y`` is values whatever its dtype).
     method : str, default=None
         Name of the embedding method, for the title.
     title : str, default=None
@@ -1060,7 +1157,8 @@ class TangentEmbeddingDisplay:
         Parameters
         ----------
         ax : matplotlib Axes, default=None
-            Axes to draw on; None creates a new figure.
+            Axes to draw on; None creates a new figure. The axes this display last drew
+            on is redrawn (its previous points and colour bar removed).
         cmap : str or Colormap, default="tab10"
             Matplotlib colormap. A qualitative map with fewer entries than classes is
             interpolated between its entries, so that each class keeps its own colour.
@@ -1079,7 +1177,7 @@ class TangentEmbeddingDisplay:
         import matplotlib as mpl
 
         _check_class_colours(self.y, scatter_kw)
-        ax, fig = _axes(ax)
+        ax, fig, before = _axes(ax, self)
         E = np.asarray(self.embedding)
         kw = {"s": 10, **scatter_kw}
         self.colorbar_ = None
@@ -1119,13 +1217,12 @@ class TangentEmbeddingDisplay:
             title = f"tangent features ({self.method})"
         if title is not None:
             ax.set_title(title, fontsize="small")
-        self.ax_, self.figure_ = ax, fig
-        return self
+        return _drawn(self, ax, fig, before)
 
     @classmethod
     def from_estimator(cls, estimator, X, y=None, *, step: int = -1, method: str = "auto",
-                       random_state=0, ax=None, cmap: str = "tab10", legend: bool = True,
-                       **scatter_kw):
+                       random_state=0, method_kw: dict | None = None, continuous=None,
+                       ax=None, cmap: str = "tab10", legend: bool = True, **scatter_kw):
         """Embed the tangent features of ``X`` at recorded point ``step`` and plot them.
 
         Parameters
@@ -1136,7 +1233,7 @@ class TangentEmbeddingDisplay:
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
             The samples, in the form the network was fitted on.
         y : array-like of shape (n_samples,), default=None
-            Colours: labels, or a regressor's float targets, drawn by value (see
+            Colours: labels, or a regressor's targets (float or int), drawn by value (see
             ``continuous``).
         step : int, default=-1
             Recorded point (0: initialization).
@@ -1144,6 +1241,22 @@ class TangentEmbeddingDisplay:
             "auto": UMAP if ``umap-learn`` is importable, else t-SNE.
         random_state : int, RandomState instance or None, default=0
             Seeds UMAP / t-SNE.
+        method_kw : dict, default=None
+            Keyword arguments of the method's estimator: :class:`sklearn.manifold.TSNE`
+            (``perplexity``, ``early_exaggeration``, ``max_iter``, ...),
+            ``umap.UMAP`` (``n_neighbors``, ``min_dist``, ...) or
+            :class:`sklearn.decomposition.KernelPCA` (``eigen_solver``, ...), over the
+            display's own: t-SNE's ``perplexity=min(30, max(2, (n_samples - 1) / 3))``
+            (under the number of samples, which t-SNE requires) and ``init="random"``,
+            UMAP's ``n_neighbors=min(15, n_samples - 1)``. The keywords the display sets
+            itself (``n_components``, ``metric``, ``kernel``, ``random_state``) are
+            refused, and so is ``method="auto"`` with ``method_kw``, whose estimator
+            depends on what is installed: name the method.
+        continuous : bool, default=None
+            Whether ``y`` holds values, drawn on a colour bar, rather than labels. None
+            decides by the estimator: a regressor's ``y`` are values whatever their dtype;
+            otherwise as scikit-learn's ``type_of_target`` says ("continuous": floats that
+            are not all integers). False draws a regressor's int groups as labels.
         ax, cmap, legend, **scatter_kw
             See :meth:`plot`.
 
@@ -1152,7 +1265,9 @@ class TangentEmbeddingDisplay:
         display : TangentEmbeddingDisplay
         """
         check_matplotlib_support(f"{cls.__name__}.from_estimator")
-        estimator, X = _last_step(estimator, X)
+        if continuous is not None:
+            check_flag(continuous, "continuous")
+        estimator, X = pipeline_last_step(estimator, X)
         net = network_of(estimator)
         check_column_names(estimator, X)
         X = net.check(X)
@@ -1160,48 +1275,95 @@ class TangentEmbeddingDisplay:
             y = _labels(y, X.shape[0])
         _check_class_colours(y, scatter_kw)
         resolved = _resolve_method(method)
-        # Kernel PCA needs two points to have a direction; t-SNE a perplexity (at least
-        # 2, the one chosen below) under the number of points.
-        n_min = 2 if resolved == "pca" else 3
-        if X.shape[0] < n_min:
-            raise ValueError(f"A {_METHOD_NAMES[resolved]} embedding needs at least {n_min} "
-                             f"samples, got {X.shape[0]}.")
+        # Checked before the kernel: TSNE and UMAP refused a perplexity or neighbours
+        # beyond the samples only in fit.
+        embedder = _embedder(resolved, method, method_kw, random_state, X.shape[0])
         K = step_kernel(net, X, step=step, normalized=True)
-        # set_output(transform="default") on each: under a global
-        # set_config(transform_output="pandas") the embedding (documented an ndarray)
-        # came back a DataFrame of KernelPCA's / TSNE's column names.
         if resolved == "pca":
-            E = KernelPCA(n_components=2, kernel="precomputed").set_output(
-                transform="default").fit_transform(K)
+            E = embedder.fit_transform(K)
         else:
             # The normalized features' distances from the Gram's own diagonal, 1 or 0
             # for a zero feature (at the origin: 1 from the others, 0 from another one).
             d = np.diag(K)
             D = np.sqrt(np.clip(d[:, None] + d[None, :] - 2.0 * K, 0.0, None))
             np.fill_diagonal(D, 0.0)
-            if resolved == "umap":
-                import umap
-
-                # The display's own choices, said to its user by umap-learn as warnings:
-                # a seed runs on one job (umap overrides its default of all of them), the
-                # neighbours fit the samples (it truncates 15 to n - 1), and a
-                # precomputed metric has no inverse_transform (never called here).
-                kw = {} if random_state is None else {"n_jobs": 1}
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", "using precomputed metric",
-                                            UserWarning)
-                    E = umap.UMAP(metric="precomputed", n_neighbors=min(15, X.shape[0] - 1),
-                                  random_state=random_state, **kw).fit_transform(D)
-            else:
-                perplexity = float(min(30.0, max(2.0, (X.shape[0] - 1) / 3)))
-                E = TSNE(n_components=2, metric="precomputed", init="random",
-                         perplexity=perplexity, random_state=random_state).set_output(
-                    transform="default").fit_transform(D)
+            with warnings.catch_warnings():
+                # umap-learn's: a precomputed metric has no inverse_transform (never
+                # called here).
+                warnings.filterwarnings("ignore", "using precomputed metric", UserWarning)
+                E = embedder.fit_transform(D)
         name = _METHOD_NAMES[resolved]
         title = f"tangent features at {_point_label(step, net.trajectory.steps)} ({name})"
-        disp = cls(E, y=y, continuous=None if y is None else _regressor_values(estimator, y),
-                   method=name, title=title)
+        disp = cls(E, y=y, continuous=None if y is None else _values_by_estimator(
+            estimator, y, continuous), method=name, title=title)
         return disp.plot(ax=ax, cmap=cmap, legend=legend, **scatter_kw)
+
+
+# The keywords TangentEmbeddingDisplay sets itself, per method.
+_FIXED_KW = {"pca": ("n_components", "kernel"),
+             "tsne": ("n_components", "metric", "random_state"),
+             "umap": ("n_components", "metric", "random_state")}
+
+
+def _embedder(resolved, method, method_kw, random_state, n):
+    """The embedding estimator of :class:`TangentEmbeddingDisplay`: the user's
+    ``method_kw`` over the display's own choices, checked against the ``n`` samples."""
+    if method_kw is not None and not isinstance(method_kw, dict):
+        raise TypeError(f"method_kw must be a dict of keyword arguments or None, got "
+                        f"{type(method_kw).__name__}.")
+    kw = dict(method_kw or {})
+    if kw and method == "auto":
+        raise ValueError(f"method_kw are keyword arguments of one method's estimator, and "
+                         f"method='auto' picks UMAP or t-SNE by what is installed (here "
+                         f"{_METHOD_NAMES[resolved]}): name the method, "
+                         f"method={resolved!r}.")
+    fixed = sorted(set(_FIXED_KW[resolved]) & set(kw))
+    if fixed:
+        raise ValueError(f"method_kw: {fixed[0]} is set by the display (2 components on "
+                         "the tangent features' precomputed kernel or distances; the seed "
+                         "is random_state).")
+    name = _METHOD_NAMES[resolved]
+    if resolved == "pca":
+        # Two points make a direction.
+        low, why = 2, ""
+    elif resolved == "tsne" and "perplexity" in kw:
+        perplexity = kw["perplexity"]
+        if isinstance(perplexity, (bool, np.bool_)) or not isinstance(perplexity,
+                                                                       numbers.Real):
+            raise TypeError(f"method_kw: perplexity must be a positive float, got "
+                            f"{perplexity!r}.")
+        if not np.isfinite(perplexity) or perplexity <= 0:
+            raise ValueError(f"method_kw: perplexity must be a positive float, got "
+                             f"{perplexity!r}.")
+        # t-SNE needs a perplexity under the number of samples (TSNE.fit says so only
+        # after the kernel).
+        low = max(2, math.floor(perplexity) + 1)
+        why = f" with perplexity={perplexity!r} (t-SNE's must be under the sample count)"
+    elif resolved == "tsne":
+        # The default perplexity adapts to the samples: at least 2, under their number.
+        kw["perplexity"] = float(min(30.0, max(2.0, (n - 1) / 3)))
+        low, why = 3, ""
+    else:
+        kw.setdefault("n_neighbors", min(15, n - 1))
+        low, why = 2, ""
+    if n < low:
+        raise ValueError(f"A {name} embedding{why} needs at least {low} samples, got {n}.")
+    # set_output(transform="default"): under a global set_config(transform_output=
+    # "pandas") the embedding (documented an ndarray) came back a DataFrame of KernelPCA's
+    # / TSNE's column names.
+    if resolved == "pca":
+        return KernelPCA(**kw, n_components=2, kernel="precomputed").set_output(
+            transform="default")
+    if resolved == "tsne":
+        return TSNE(**{"init": "random", **kw}, n_components=2, metric="precomputed",
+                    random_state=random_state).set_output(transform="default")
+    import umap
+
+    # The display's own choices, said to its user by umap-learn as warnings: a seed runs
+    # on one job (umap overrides its default of all of them) and the neighbours fit the
+    # samples (it truncates 15 to n - 1).
+    own = {} if random_state is None else {"n_jobs": 1}
+    return umap.UMAP(**{**own, **kw}, metric="precomputed", random_state=random_state)
 
 
 def _labels(y, n: int, name: str = "y") -> np.ndarray:

@@ -661,21 +661,35 @@ def test_a_recorded_conv_loop_without_training_inputs():
 
 
 @pytest.mark.parametrize("function", [hessian_trace, hessian_trace_path, loss_path])
-def test_a_pipeline_is_refused_with_the_way_to_its_network(function):
-    """validate_params refused a Pipeline naming private classes and no way out; it now
-    gets the kernels' hint, and the way it gives is the exact trace of the last step's
-    loss on the transformed inputs."""
+def test_a_pipeline_stands_for_its_last_step_on_transformed_inputs(function):
+    """A Pipeline was admitted by validate_params only to be refused with the kernels'
+    hint (pass pipe[-1] on pipe[:-1].transform(X)); the displays take one. It now
+    stands for its last step on the inputs the steps before it give, as doing that by
+    hand: the same probes give the same numbers, and the trace is the exact trace of
+    the last step's loss on the transformed inputs. A bag, whose network saw a sample
+    of the rows, is still refused with its hint."""
+    from sklearn.ensemble import BaggingRegressor
+
     X = np.random.RandomState(0).normal(size=(16, 2)) * [1.0, 5.0] + 3.0
     y = np.sin(X[:, 0]) + 0.1 * X[:, 1]
-    pipe = make_pipeline(StandardScaler(), PathKernelMachine(
-        hidden_layer_sizes=(3,), activation="tanh", max_iter=3, tol=None, dtype="float64",
-        normalize_y=False, random_state=0)).fit(X, y)
-    with pytest.raises(TypeError, match=r"pipe\[-1\].*pipe\[:-1\]\.transform\(X\)"):
-        function(pipe)
+    net = dict(hidden_layer_sizes=(3,), activation="tanh", max_iter=3, tol=None,
+               dtype="float64", normalize_y=False, random_state=0)
+    pipe = make_pipeline(StandardScaler(), PathKernelMachine(**net)).fit(X, y)
     est, Z = pipe[-1], pipe[:-1].transform(X)
+    assert np.abs(Z - X).max() > 1  # the steps change the inputs: the check can fail
+    kw = {} if function is loss_path else {"n_samples": 5, "random_state": 0}
+    results = [(function(pipe, **kw), function(est, **kw)),
+               (function(pipe, X[:7], y[:7], **kw), function(est, Z[:7], y[:7], **kw))]
+    for got, by_hand in results:
+        got = got if function is loss_path else got.estimates
+        by_hand = by_hand if function is loss_path else by_hand.estimates
+        np.testing.assert_allclose(got, by_hand, rtol=1e-12, atol=1e-14)
     exact = np.trace(_exact_hessian(est, X=Z, Y=y))
-    res = hessian_trace(est, Z, y, n_samples=400, random_state=0)
+    res = hessian_trace(pipe, X, y, n_samples=400, random_state=0)
     assert abs(res.trace - exact) < 4 * res.stderr
+    bag = BaggingRegressor(PathKernelMachine(**net), n_estimators=2, random_state=0).fit(X, y)
+    with pytest.raises(TypeError, match=r"estimators_\[0\] holds one"):
+        function(bag)
 
 
 def test_a_frozen_estimator_stands_for_the_estimator_it_holds():

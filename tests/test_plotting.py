@@ -313,8 +313,9 @@ def test_neighbors_of_a_regressor_draw_values_on_a_colour_bar():
     for given, values in ((None, reg.predict(X)), (target, target)):
         disp = KernelNeighborsDisplay.from_estimator(reg, anchors, 5, y=given)
         _assert_values_on_colour_bar(disp, values)
-    # Labels stay classes, without a colour bar, and keep their purity.
-    disp = KernelNeighborsDisplay.from_estimator(reg, anchors, 5, y=y)
+    # Labels said to be labels (continuous=False) stay classes, without a colour bar, and
+    # keep their purity.
+    disp = KernelNeighborsDisplay.from_estimator(reg, anchors, 5, y=y, continuous=False)
     assert disp.colorbar_ is None
     np.testing.assert_allclose(
         disp.purity(), [np.unique(y[i], return_counts=True)[1].max() / 5
@@ -326,8 +327,9 @@ def test_neighbors_of_integer_valued_regression_targets_are_values():
     ``load_diabetes``: 214 distinct values, all integers) is "multiclass" to
     ``type_of_target``: the display drew each value as a class of its own (colours by
     rank, no colour bar) and gave a purity of ``1 / n_neighbors``. A regressor's float
-    targets are values; its int labels (a grouping) stay classes; ``continuous`` says it
-    for a display built by hand."""
+    targets are values (its int ones too, see
+    test_a_regressors_int_targets_are_values_a_classifiers_labels); ``continuous`` says
+    it for a display built by hand, and keeps a regressor's int grouping classes."""
     X, labels = make_circle(n_samples=30, random_state=0)
     target = np.round(40 * X[:, 0] + 7 * X[:, 1] + 150)  # float64, integer-valued
     reg = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, tol=None, dtype="float64",
@@ -347,7 +349,7 @@ def test_neighbors_of_integer_valued_regression_targets_are_values():
     np.testing.assert_allclose(as_labels.purity(), [
         np.unique(target[i], return_counts=True)[1].max() / 5 for i in disp.neighbors])
     disp = KernelNeighborsDisplay.from_estimator(reg, anchors, 5, y=labels,
-                                                 kernel="euclidean")
+                                                 kernel="euclidean", continuous=False)
     assert disp.colorbar_ is None and disp.purity().shape == (2,)
 
 
@@ -1049,8 +1051,8 @@ def test_tangent_embedding_of_regression_targets_draws_values_on_a_colour_bar(in
     disp.figure_.canvas.draw()  # the values' colours are mapped when drawn
     np.testing.assert_allclose(disp.scatter_.get_facecolors(),
                                mpl.colormaps["viridis"](norm(target)), atol=1e-12)
-    # Labels stay classes with a legend.
-    disp = TangentEmbeddingDisplay.from_estimator(reg, X, y, method="pca")
+    # Labels said to be labels stay classes with a legend.
+    disp = TangentEmbeddingDisplay.from_estimator(reg, X, y, method="pca", continuous=False)
     assert disp.colorbar_ is None and len(disp.ax_.get_legend().get_texts()) == 2
     # Said by hand: values, or the same numbers as labels.
     E = disp.embedding
@@ -1076,3 +1078,227 @@ def test_kernel_matrix_refuses_a_regression_target_as_classes(integer_valued):
     disp = KernelMatrixDisplay.from_estimator(reg, X, labels)
     assert len(disp.boundary_lines_) == 2 * (len(np.unique(labels)) - 1)
     plt.close("all")
+
+
+# --------------------------------------------------------------------------- s54
+def test_neighbors_and_rank_gap_take_keywords_for_their_artists(circle):
+    """KernelNeighborsDisplay and RankGapDisplay took no matplotlib keywords where the
+    other displays do (im_kw, **line_kw, **scatter_kw): each artist gets its own, over
+    the display's defaults, and the data and colours by y stay what they were."""
+    import matplotlib as mpl
+
+    clf, X, y = circle
+    anchors = np.array([[0.2, 0.1], [-0.4, 0.5]])
+    disp = KernelNeighborsDisplay.from_estimator(
+        clf, anchors, 4, y=y, kernel="euclidean", scatter_kw={"s": 3, "alpha": 0.5},
+        neighbor_kw={"marker": "*", "s": 40}, anchor_kw={"color": "tab:green", "s": 50})
+    # Brute-force Euclidean neighbours, as drawn.
+    brute = np.argsort(np.linalg.norm(anchors[:, None] - X[None], axis=-1), axis=1,
+                       kind="stable")[:, :4]
+    np.testing.assert_array_equal(disp.neighbors, brute)
+    assert disp.scatter_.get_sizes().tolist() == [3] and disp.scatter_.get_alpha() == 0.5
+    star = mpl.markers.MarkerStyle("*")
+    star = star.get_path().transformed(star.get_transform()).vertices
+    disp.figure_.canvas.draw()
+    norm = mpl.colors.Normalize(0, 1)
+    codes = (y == 1).astype(float)  # classes -1, 1 coded 0, 1
+    for idx, scatter in zip(brute, disp.neighbor_scatters_):
+        np.testing.assert_array_equal(scatter.get_offsets(), X[idx])
+        assert scatter.get_sizes().tolist() == [40]
+        np.testing.assert_allclose(scatter.get_paths()[0].vertices, star)
+        np.testing.assert_allclose(scatter.get_facecolors(),
+                                   mpl.colormaps["coolwarm"](norm(codes[idx])), atol=1e-12)
+    # The legend names each anchor with the marker its neighbours have.
+    for handle in disp.ax_.get_legend().legend_handles:
+        np.testing.assert_allclose(handle.get_paths()[0].vertices, star)
+    np.testing.assert_allclose(disp.anchor_scatter_.get_facecolors(),
+                               [mpl.colors.to_rgba("tab:green")])
+    assert disp.anchor_scatter_.get_sizes().tolist() == [50]
+    # The colours are y's: a colour of the user's is refused before anything is drawn.
+    for kw in ({"scatter_kw": {"color": "k"}}, {"neighbor_kw": {"c": "k"}}):
+        with pytest.raises(ValueError, match="colouring of the points by y"):
+            disp.plot(ax=disp.ax_, **kw)
+        with pytest.raises(ValueError, match="colouring of the points by y"):
+            KernelNeighborsDisplay.from_estimator(clf, anchors, 4, y=y, **kw)
+    with pytest.raises(TypeError, match="anchor_kw must be a dict"):
+        disp.plot(anchor_kw=["x"])
+
+    rank = RankGapDisplay.from_estimator(clf, X[:10], X[10:14], linewidth=3, where="mid")
+    for line, ranks, colour in zip(rank.lines_, (rank.rank_train, rank.rank_joint),
+                                   ("tab:blue", "tab:red")):
+        assert line.get_linewidth() == 3 and line.get_drawstyle() == "steps-mid"
+        assert line.get_color() == colour
+        np.testing.assert_array_equal(line.get_ydata(), ranks)
+    rank.plot(color="black")
+    assert [line.get_color() for line in rank.lines_] == ["black", "black"]
+    assert [line.get_linestyle() for line in rank.lines_] == ["-", "--"]
+
+
+def _colour_bar_displays():
+    """Displays built by hand, one of each, the three with colour bars first."""
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(12, 2))
+    values = rng.normal(size=12)
+    K = np.corrcoef(rng.normal(size=(12, 5)))
+    return [
+        KernelMatrixDisplay(K, y=np.repeat([0, 1, 2], 4)),
+        KernelNeighborsDisplay(X, values, X[:2], np.array([[0, 3, 4], [1, 5, 6]]),
+                               continuous=True),
+        TangentEmbeddingDisplay(X, values, continuous=True),
+        RankGapDisplay(np.arange(4), [1, 2, 2, 3], [1, 3, 3, 4], rtol=1e-7),
+        KernelEvolutionDisplay(np.arange(4), rng.normal(size=(4, 2)), x=X[0], Y=X[1:3]),
+    ]
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_plotting_again_on_the_same_axes_redraws_with_one_colour_bar(index):
+    """A second plot(ax=ax_) stacked a second colour bar beside the first (and drew
+    the lines, points and legend entries twice). scikit-learn's ConfusionMatrixDisplay
+    makes a new figure when no axes is given, as these do; on the axes it drew on, the
+    display now replaces its drawing."""
+    disp = _colour_bar_displays()[index].plot()
+    fig, ax = disp.figure_, disp.ax_
+    n_axes, n_children = len(fig.axes), len(ax.get_children())
+    assert n_axes == (2 if index < 3 else 1)
+    legend = ax.get_legend()
+    n_entries = None if legend is None else len(legend.get_texts())
+    position = ax.get_position().bounds
+    disp.plot(ax=ax)
+    assert disp.figure_ is fig and len(fig.axes) == n_axes
+    assert len(ax.get_children()) == n_children
+    assert (None if ax.get_legend() is None else len(ax.get_legend().get_texts())) \
+        == n_entries
+    np.testing.assert_allclose(ax.get_position().bounds, position)
+    if index < 3:
+        assert disp.colorbar_.ax in fig.axes
+    # No axes: a new figure, the first one left as it was.
+    disp.plot()
+    assert disp.figure_ is not fig and len(fig.axes) == n_axes
+    assert len(disp.figure_.axes) == n_axes
+    # Another axes of the first figure: the first drawing and its colour bar stay.
+    other = fig.add_subplot(2, 2, 4)
+    disp.plot(ax=other)
+    assert len(fig.axes) == 2 * n_axes  # the other axes, and its colour bar if any
+    assert len(ax.get_children()) == n_children
+
+
+def test_tsne_takes_its_keywords_checked_before_the_kernel(circle, monkeypatch):
+    """t-SNE's perplexity was fixed at min(30, max(2, (n - 1) / 3)) with no way to
+    pass another (nor UMAP's or KernelPCA's options). method_kw reaches the estimator;
+    a perplexity not under the number of samples, which TSNE refused only in fit after
+    the kernel, the keywords the display sets itself, and method_kw with method="auto"
+    (whose estimator depends on what is installed) are refused first."""
+    clf, X, _ = circle
+    A = X[:9]
+    K = _loop_gram(clf, -1, A)
+    D = np.sqrt(np.clip(2 - 2 * K, 0, None))
+    np.fill_diagonal(D, 0.0)
+    kw = {"perplexity": 4.5, "max_iter": 250, "early_exaggeration": 6.0}
+    disp = TangentEmbeddingDisplay.from_estimator(clf, A, method="tsne", method_kw=kw,
+                                                  random_state=0)
+    by_hand = TSNE(n_components=2, metric="precomputed", init="random", random_state=0,
+                   **kw).fit_transform(D)
+    np.testing.assert_allclose(disp.embedding, by_hand, rtol=1e-5, atol=1e-5)
+    default = TangentEmbeddingDisplay.from_estimator(clf, A, method="tsne", random_state=0)
+    assert np.abs(default.embedding - disp.embedding).max() > 1e-2  # the keywords mattered
+    # Kernel PCA's options too: a dense solver gives the same directions (up to sign).
+    pca = TangentEmbeddingDisplay.from_estimator(clf, A, method="pca",
+                                                 method_kw={"eigen_solver": "dense"})
+    ref = KernelPCA(n_components=2, kernel="precomputed").fit_transform(K)
+    np.testing.assert_allclose(np.abs(pca.embedding), np.abs(ref), atol=1e-8)
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the kernel was computed before the refusal")
+
+    monkeypatch.setattr(plotting, "step_kernel", no_kernel)
+    for method, kw, match in [
+        ("tsne", {"perplexity": 9}, "perplexity=9 .* needs at least 10 samples, got 9"),
+        ("tsne", {"perplexity": 0.0}, "perplexity must be a positive"),
+        ("tsne", {"metric": "euclidean"}, "metric is set by the display"),
+        ("tsne", {"random_state": 1}, "random_state is set by the display"),
+        ("pca", {"n_components": 3}, "n_components is set by the display"),
+        ("auto", {"perplexity": 3}, "name the method"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            TangentEmbeddingDisplay.from_estimator(clf, A, method=method, method_kw=kw)
+    with pytest.raises(TypeError, match="perplexity must be a positive float"):
+        TangentEmbeddingDisplay.from_estimator(clf, A, method="tsne",
+                                               method_kw={"perplexity": "3"})
+    with pytest.raises(TypeError, match="unexpected keyword"):  # TSNE's own, at once
+        TangentEmbeddingDisplay.from_estimator(clf, A, method="tsne",
+                                               method_kw={"perplexit": 3})
+
+
+def test_a_regressors_int_targets_are_values_a_classifiers_labels():
+    """An int regression target (counts, ages) was drawn as one class per value, with
+    a legend entry each, because type_of_target calls ints "multiclass". The estimator
+    decides: a regressor's y is values whatever its dtype; a classifier's, and y under
+    a network without an estimator's type, are read by type_of_target; continuous=
+    says it either way."""
+    import matplotlib as mpl
+
+    X, labels = make_circle(n_samples=30, random_state=0)
+    target = np.round(40 * X[:, 0] + 7 * X[:, 1] + 150).astype(np.int64)
+    net = dict(hidden_layer_sizes=(4,), max_iter=3, tol=None, dtype="float64",
+               random_state=0)
+    reg = PathKernelMachine(**net).fit(X, target)
+    anchors = np.array([[0.1, 0.2], [-0.5, 0.3]])
+    disp = KernelNeighborsDisplay.from_estimator(reg, anchors, 5, y=target,
+                                                 kernel="euclidean")
+    _assert_values_on_colour_bar(disp, target.astype(float))
+    emb = TangentEmbeddingDisplay.from_estimator(reg, X, target, method="pca")
+    assert emb.ax_.get_legend() is None and emb.colorbar_ is not None
+    emb.figure_.canvas.draw()
+    norm = mpl.colors.Normalize(target.min(), target.max())
+    np.testing.assert_allclose(emb.scatter_.get_facecolors(),
+                               mpl.colormaps["viridis"](norm(target)), atol=1e-12)
+    # Said to be labels: classes.
+    emb = TangentEmbeddingDisplay.from_estimator(reg, X, target, method="pca",
+                                                 continuous=False)
+    assert emb.colorbar_ is None
+    assert len(emb.ax_.get_legend().get_texts()) == len(np.unique(target))
+    # A classifier's labels, int or float of integers, are classes; so are int labels
+    # under a network without an estimator's type, whose float values are values.
+    groups = np.digitize(X[:, 0], [-0.5, 0.0, 0.5])  # 4 classes
+    clf = PathKernelClassifier(**net).fit(X, groups)
+    for y in (groups, groups.astype(float)):
+        disp = KernelNeighborsDisplay.from_estimator(clf, anchors, 5, y=y,
+                                                     kernel="euclidean")
+        assert disp.colorbar_ is None
+        np.testing.assert_allclose(disp.purity(), [
+            np.unique(groups[i], return_counts=True)[1].max() / 5 for i in disp.neighbors])
+        emb = TangentEmbeddingDisplay.from_estimator(clf, X, y, method="pca")
+        assert emb.colorbar_ is None and len(emb.ax_.get_legend().get_texts()) == 4
+    emb = TangentEmbeddingDisplay.from_estimator(reg.network_, X, target, method="pca")
+    assert emb.colorbar_ is None
+    emb = TangentEmbeddingDisplay.from_estimator(reg.network_, X, target + 0.5,
+                                                 method="pca")
+    assert emb.colorbar_ is not None
+    with pytest.raises(TypeError, match="continuous must be a bool"):
+        TangentEmbeddingDisplay.from_estimator(reg, X, target, continuous="yes")
+
+
+def test_displays_follow_a_nested_pipeline_and_refuse_ambiguous_wrappers():
+    """A pipeline whose last step is a pipeline is followed down (both transforms, then
+    the network), against doing it by hand; a bag and one estimator per output, whose
+    networks saw other inputs or targets, are refused with the hint naming them."""
+    from sklearn.ensemble import BaggingRegressor
+    from sklearn.multioutput import MultiOutputRegressor
+
+    rng = np.random.RandomState(4)
+    X = rng.normal(size=(16, 2)) * [1.0, 10.0] + 2.0
+    y = np.sin(X[:, 0])
+    net = dict(hidden_layer_sizes=(3,), max_iter=2, tol=None, dtype="float64",
+               random_state=0)
+    inner = make_pipeline(FunctionTransformer(lambda A: 2 * A - 1), PathKernelMachine(**net))
+    pipe = make_pipeline(StandardScaler(), inner).fit(X, y)
+    Z = 2 * pipe[0].transform(X) - 1
+    shown = KernelMatrixDisplay.from_estimator(pipe, X[:6]).kernel_matrix
+    np.testing.assert_allclose(shown, _loop_gram(pipe[-1][-1], -1, Z[:6]), rtol=1e-10,
+                               atol=1e-12)
+    bag = BaggingRegressor(PathKernelMachine(**net), n_estimators=2, random_state=0).fit(X, y)
+    with pytest.raises(TypeError, match=r"estimators_\[0\] holds one"):
+        KernelMatrixDisplay.from_estimator(bag, X[:4])
+    multi = MultiOutputRegressor(PathKernelMachine(**net)).fit(X, np.c_[y, -y])
+    with pytest.raises(TypeError, match="one fitted estimator per target"):
+        RankGapDisplay.from_estimator(multi, X[:4], X[4:6])

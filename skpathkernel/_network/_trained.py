@@ -22,6 +22,7 @@ import torch
 from scipy.sparse import issparse
 from sklearn.exceptions import NotFittedError
 from sklearn.multioutput import MultiOutputClassifier, MultiOutputRegressor
+from sklearn.pipeline import Pipeline
 from sklearn.utils.validation import check_is_fitted
 
 from .._analysis._attribution import (
@@ -1249,6 +1250,25 @@ def network_of(obj) -> TrainedNetwork:
     if budget is not None and int(budget) != net.memory_budget:
         net = net.replace(memory_budget=int(budget))
     return net
+
+
+def pipeline_last_step(estimator, *inputs):
+    """A fitted :class:`~sklearn.pipeline.Pipeline`'s last step, and ``inputs`` (None
+    passes) through the steps before it; a pipeline ending in a pipeline is followed
+    down. Anything else is returned as given.
+
+    The displays and the diagnostics take a pipeline as scikit-learn's displays do: they
+    read the network of its last step, on the inputs that step takes, which is what
+    :func:`_wrapped_network_hint` tells the kernels' users to do by hand (``pipe[-1]`` on
+    ``pipe[:-1].transform(X)``). The wrappers whose network saw other inputs or targets
+    (a bag, one estimator per output) are left to :func:`network_of` to refuse."""
+    while isinstance(estimator, Pipeline):
+        check_is_fitted(estimator)
+        if len(estimator) > 1:  # steps before the last
+            head = estimator[:-1]
+            inputs = tuple(None if a is None else head.transform(a) for a in inputs)
+        estimator = estimator[-1]
+    return (estimator, *inputs)
 
 
 def _wrapped_network_hint(obj) -> str:

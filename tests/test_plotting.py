@@ -1302,3 +1302,31 @@ def test_displays_follow_a_nested_pipeline_and_refuse_ambiguous_wrappers():
     multi = MultiOutputRegressor(PathKernelMachine(**net)).fit(X, np.c_[y, -y])
     with pytest.raises(TypeError, match="one fitted estimator per target"):
         RankGapDisplay.from_estimator(multi, X[:4], X[4:6])
+
+
+def test_umap_takes_its_keywords_over_the_displays_own(circle, monkeypatch):
+    """method_kw reaches UMAP over the display's choices (n_neighbors, n_jobs); the
+    metric and the seed stay the display's."""
+    clf, X, y = circle
+    made = []
+
+    class Capture(_UMAPLike):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            made.append(kw)
+
+        def fit_transform(self, D):
+            return np.zeros((len(D), 2))
+
+    umap = type(sys)("umap")
+    umap.UMAP = Capture
+    monkeypatch.setitem(sys.modules, "umap", umap)
+    TangentEmbeddingDisplay.from_estimator(clf, X[:12], method="umap", random_state=3,
+                                           method_kw={"n_neighbors": 4, "n_jobs": 2})
+    TangentEmbeddingDisplay.from_estimator(clf, X[:12], method="umap", random_state=3)
+    assert made == [
+        {"n_neighbors": 4, "n_jobs": 2, "metric": "precomputed", "random_state": 3},
+        {"n_neighbors": 11, "n_jobs": 1, "metric": "precomputed", "random_state": 3}]
+    with pytest.raises(ValueError, match="metric is set by the display"):
+        TangentEmbeddingDisplay.from_estimator(clf, X[:12], method="umap",
+                                               method_kw={"metric": "cosine"})

@@ -56,36 +56,79 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- helpers
-def _axes(ax, display):
-    """The axes to draw ``display`` on, its figure, and the artists already there.
+def _axes(ax, display, colorbar=False):
+    """The axes to draw ``display`` on, its figure, the artists already there, and the
+    axes of the colour bar to draw into (None: a new one, taking room from ``ax``).
 
-    None makes a new figure, as scikit-learn's displays do. The axes ``display`` last drew
-    on is redrawn: its previous artists and colour bar are removed first, where drawing
-    over them stacked a second colour bar beside the first (and a legend of both draws)."""
+    None makes a new figure, as scikit-learn's displays do. An axes ``display`` drew on
+    before is redrawn: its artists there are removed first, where drawing over them
+    stacked a second colour bar beside the first (and a legend of both draws). A drawing
+    with a colour bar (``colorbar``) draws it into the previous one's axes: removing that
+    gave ``ax`` back the room it had when the bar was made, over a colour bar of the
+    user's made since, which the heat map or points then covered."""
     import matplotlib.pyplot as plt
 
+    cax = None
     if ax is None:
         _, ax = plt.subplots()
-    elif getattr(display, "ax_", None) is ax:
-        # The colour bar first: its removal gives the axes back its space through the
-        # image or points it maps, which must still be there.
-        colorbar = getattr(display, "colorbar_", None)
-        if colorbar is not None and colorbar.ax in ax.figure.axes:
-            colorbar.remove()
+    else:
+        artists, old = getattr(display, "_drawings", {}).get(ax, ((), None))
+        if old is not None and old.ax in ax.figure.axes:
+            if colorbar:
+                cax = old.ax
+                cax.clear()
+            else:
+                if old.mappable.axes is None:
+                    # ax.clear() took the image or points it maps, through which its
+                    # removal gives ax its room back (matplotlib failed on None).
+                    old.mappable.axes = ax
+                old.remove()
         there = set(ax.get_children())
-        for artist in getattr(display, "_artists", ()):
+        for artist in artists:
             if artist in there:  # not removed (ax.clear()) since
                 artist.remove()
-    return ax, ax.figure, set(ax.get_children())
+    return ax, ax.figure, set(ax.get_children()), cax
+
+
+def _colorbar(fig, ax, cax, mappable):
+    """A colour bar of ``mappable``: into ``cax`` (see :func:`_axes`), else beside ``ax``."""
+    return fig.colorbar(mappable, ax=ax) if cax is None else fig.colorbar(mappable, cax=cax)
 
 
 def _drawn(display, ax, fig, before):
     """Set ``display``'s ``ax_`` and ``figure_``, and note the artists its ``plot`` added
-    to ``ax`` (its children not in ``before``), for :func:`_axes` to remove on a redraw."""
-    display._artists = [a for a in ax.get_children() if a not in before]
+    to ``ax`` (its children not in ``before``) and its colour bar, for :func:`_axes` to
+    remove when ``display`` draws on ``ax`` again (after drawing elsewhere too)."""
+    drawings = display.__dict__.setdefault("_drawings", {})
+    drawings[ax] = ([a for a in ax.get_children() if a not in before],
+                    getattr(display, "colorbar_", None))
     display.ax_, display.figure_ = ax, fig
     return display
 
+
+# matplotlib's aliases (scikit-learn's _validate_style_kwargs resolves them as well): a
+# user's ls= or lw= beside the display's linestyle= or linewidth= failed in matplotlib
+# ("Got both 'linestyle' and 'ls'"), often after a first artist was drawn.
+_ALIASES = {"ls": "linestyle", "c": "color", "ec": "edgecolor", "fc": "facecolor",
+            "lw": "linewidth", "ds": "drawstyle", "aa": "antialiased", "ms": "markersize",
+            "mec": "markeredgecolor", "mew": "markeredgewidth", "mfc": "markerfacecolor"}
+# ax.scatter's own parameters are plural; its c= is not an alias of color=.
+_SCATTER_ALIASES = {"lw": "linewidths", "linewidth": "linewidths", "ec": "edgecolors",
+                    "edgecolor": "edgecolors", "fc": "facecolors", "facecolor": "facecolors",
+                    "ls": "linestyles", "linestyle": "linestyles"}
+
+
+def _style(own, user, scatter=False):
+    """The user's matplotlib keywords over the display's ``own``, each under one name."""
+    out, given = dict(own), {}
+    for key, value in (user or {}).items():
+        name = _SCATTER_ALIASES.get(key, key) if scatter else _ALIASES.get(key, key)
+        if name in given:
+            raise TypeError(f"Got both {given[name]!r} and {key!r}, which are aliases of "
+                            "one another.")
+        given[name] = key
+        out[name] = value
+    return out
 
 
 def _check_kernel(kernel, allowed=("tangent", "path")):
@@ -143,14 +186,20 @@ def _neighbor_kws(scatter_kw, neighbor_kw, anchor_kw):
         if kw is not None and not isinstance(kw, dict):
             raise TypeError(f"{name} must be a dict of matplotlib keywords or None, got "
                             f"{type(kw).__name__}.")
-        kws.append(dict(kw or {}))
+        kws.append(_style({}, kw, scatter=True))
     for name, kw in zip(("scatter_kw", "neighbor_kw"), kws):
-        clash = sorted({"c", "color"} & set(kw))
+        # A norm failed beside the display's vmin/vmax (after the first scatter was
+        # drawn); a cmap, vmin or vmax coloured these points unlike the others and the
+        # colour bar.
+        clash = sorted({"c", "color", "facecolors", "cmap", "norm", "vmin", "vmax"}
+                       & set(kw))
         if clash:
             raise ValueError(f"{name}: {clash[0]}= conflicts with the colouring of the "
                              "points by y: choose their colours with cmap.")
-    # The user's colour replaces the black (both c and color fail in matplotlib).
-    own = ({} if {"c", "color"} & set(kws[2]) else {"c": "black"})
+    # The user's colour replaces the black (both c and color fail in matplotlib; c= won
+    # over facecolors=, with a warning).
+    colour = {"c", "color", "facecolors", "edgecolors"} & set(kws[2])
+    own = {} if colour else {"c": "black"}
     kws[2] = {"marker": "x", "s": 80, "linewidths": 2.5, "zorder": 5, **own, **kws[2]}
     return kws
 
@@ -289,8 +338,9 @@ class KernelMatrixDisplay:
         Parameters
         ----------
         ax : matplotlib Axes, default=None
-            Axes to draw on; a new figure is created when None. The axes this display
-            last drew on is redrawn (its previous image and colour bar removed).
+            Axes to draw on; a new figure is created when None. An axes this display
+            drew on before is redrawn (its image there removed, its colour bar drawn
+            again in place; the user's own artists stay).
         cmap : str or Colormap, default="viridis"
             Matplotlib colormap.
         vmin, vmax : float, default=None
@@ -298,7 +348,9 @@ class KernelMatrixDisplay:
         colorbar : bool, default=True
             Whether to draw a colorbar.
         boundary_kw : dict, default=None
-            Keyword arguments of the block-boundary lines (``ax.axhline``).
+            Keyword arguments of the block-boundary lines (``ax.axhline``), over the
+            display's own (an alias, ``c``, ``ls`` or ``lw``, replaces the keyword it
+            stands for).
         im_kw : dict, default=None
             Keyword arguments of ``ax.imshow`` (as scikit-learn's
             :class:`~sklearn.metrics.ConfusionMatrixDisplay`), over the display's own:
@@ -315,13 +367,13 @@ class KernelMatrixDisplay:
             # Checked before drawing, which a refusal would leave half done.
             values, starts, stops = self._blocks()
             _check_label_count(self.display_labels, len(starts), "display_labels", "class")
-        ax, fig, before = _axes(ax, self)
+        ax, fig, before, cax = _axes(ax, self, colorbar)
         K = np.asarray(self.kernel_matrix)
         self.im_ = ax.imshow(K, **{"cmap": cmap, "vmin": vmin, "vmax": vmax,
                                    "interpolation": "nearest", **(im_kw or {})})
         self.boundary_lines_ = []
         if self.y is not None:
-            kw = {"color": "white", "linestyle": "--", "linewidth": 0.8, **(boundary_kw or {})}
+            kw = _style({"color": "white", "linestyle": "--", "linewidth": 0.8}, boundary_kw)
             for s in starts[1:]:
                 self.boundary_lines_.append(ax.axhline(s - 0.5, **kw))
                 self.boundary_lines_.append(ax.axvline(s - 0.5, **kw))
@@ -329,7 +381,7 @@ class KernelMatrixDisplay:
             centres = (starts + stops - 1) / 2
             ax.set_xticks(centres, [str(v) for v in labels], fontsize="small")
             ax.set_yticks(centres, [str(v) for v in labels], fontsize="small")
-        self.colorbar_ = fig.colorbar(self.im_, ax=ax) if colorbar else None
+        self.colorbar_ = _colorbar(fig, ax, cax, self.im_) if colorbar else None
         if self.title is not None:
             ax.set_title(self.title)
         return _drawn(self, ax, fig, before)
@@ -498,8 +550,9 @@ class KernelNeighborsDisplay:
         Parameters
         ----------
         ax : matplotlib Axes, default=None
-            Axes to draw on; None creates a new figure. The axes this display last drew
-            on is redrawn (its previous drawing and colour bar removed).
+            Axes to draw on; None creates a new figure. An axes this display drew on
+            before is redrawn (its drawing there removed, its colour bar drawn again in
+            place; the user's own artists stay).
         cmap : str or Colormap, default="coolwarm"
             Colours of the labels; continuous ``y`` (regression targets) is drawn by value
             on this map, read off a colour bar (``colorbar_``).
@@ -508,18 +561,20 @@ class KernelNeighborsDisplay:
         scatter_kw : dict, default=None
             Keyword arguments of ``ax.scatter`` for the training set (``scatter_``), over
             the display's own (``s=6``, ``alpha=0.25``, ``linewidths=0``). The points
-            are coloured by ``y``: ``c`` or ``color`` is refused (choose the colours
-            with ``cmap``).
+            are coloured by ``y``: ``c``, ``color``, ``facecolors``, ``cmap``, ``norm``,
+            ``vmin`` or ``vmax`` is refused (choose the colours with ``cmap``).
+            matplotlib's aliases (``lw``, ``ec``, ``linewidth``, ...) replace the
+            display's keyword they stand for.
         neighbor_kw : dict, default=None
             Keyword arguments of ``ax.scatter`` for each anchor's neighbours
             (``neighbor_scatters_``), over the display's own (``s=22``, a marker per
             anchor, ``edgecolors="black"``, ``linewidths=0.4``). A ``marker`` given is
-            every anchor's, in the legend too; ``c`` or ``color`` is refused, as in
-            ``scatter_kw``.
+            every anchor's, in the legend too; the colours are refused and the aliases
+            resolved, as in ``scatter_kw``.
         anchor_kw : dict, default=None
             Keyword arguments of ``ax.scatter`` for the anchors (``anchor_scatter_``),
             over the display's own (``marker="x"``, black, ``s=80``, ``linewidths=2.5``);
-            ``c`` or ``color`` replaces the black.
+            ``c``, ``color``, ``facecolor(s)`` or ``edgecolor(s)`` replaces the black.
 
         Returns
         -------
@@ -528,9 +583,9 @@ class KernelNeighborsDisplay:
         check_matplotlib_support("KernelNeighborsDisplay.plot")
         scatter_kw, neighbor_kw, anchor_kw = _neighbor_kws(scatter_kw, neighbor_kw,
                                                            anchor_kw)
-        ax, fig, before = _axes(ax, self)
         X, y = np.asarray(self.X), np.asarray(self.y)
         values = _drawn_as_values(y, self.continuous)
+        ax, fig, before, cax = _axes(ax, self, values)
         if values:
             # Coded by rank as classes, each value was a class of its own: the colours
             # were spaced by rank, not value, with no scale to read them by.
@@ -553,7 +608,7 @@ class KernelNeighborsDisplay:
                 "cmap": cmap, "vmin": vmin, "vmax": vmax, "s": 22, "edgecolors": "black",
                 "linewidths": 0.4, **neighbor_kw, "marker": marker}))
         # Opaque, on the neighbours' scale (the faint set's alpha would wash it out).
-        self.colorbar_ = (fig.colorbar((self.neighbor_scatters_ or [self.scatter_])[0], ax=ax)
+        self.colorbar_ = (_colorbar(fig, ax, cax, (self.neighbor_scatters_ or [self.scatter_])[0])
                           if values else None)
         self.anchor_scatter_ = ax.scatter(A[:, 0], A[:, 1], **anchor_kw)
         if legend:
@@ -744,8 +799,8 @@ class KernelEvolutionDisplay:
         Parameters
         ----------
         ax : matplotlib Axes, default=None
-            Axes to draw on; None creates a new figure. The axes this display last drew
-            on is redrawn (its previous lines removed).
+            Axes to draw on; None creates a new figure. An axes this display drew on
+            before is redrawn (its lines there removed; the user's own artists stay).
         legend : bool, default=True
             Whether to draw a legend.
         **line_kw : dict
@@ -756,7 +811,7 @@ class KernelEvolutionDisplay:
         display : KernelEvolutionDisplay
         """
         check_matplotlib_support("KernelEvolutionDisplay.plot")
-        ax, fig, before = _axes(ax, self)
+        ax, fig, before, _ = _axes(ax, self)
         labels = self.labels
         values = np.asarray(self.kernel_values)
         _check_label_count(labels, values.shape[1], "labels", "row of Y")
@@ -944,26 +999,27 @@ class RankGapDisplay:
         Parameters
         ----------
         ax : matplotlib Axes, default=None
-            Axes to draw on; None creates a new figure. The axes this display last drew
-            on is redrawn (its previous lines removed).
+            Axes to draw on; None creates a new figure. An axes this display drew on
+            before is redrawn (its lines there removed; the user's own artists stay).
         legend : bool, default=True
             Whether to draw a legend.
         **line_kw : dict
             Passed to ``ax.step`` for both lines (as :class:`KernelEvolutionDisplay`'s
             to its lines), over the display's own: ``where="post"``, blue for the
-            training rank, red dashed for the joint one, and their labels. One line
-            alone is styled through ``lines_`` (``lines_[1].set_color(...)``).
+            training rank, red dashed for the joint one, and their labels (an alias,
+            ``c`` or ``ls``, replaces the keyword it stands for). One line alone is
+            styled through ``lines_`` (``lines_[1].set_color(...)``).
 
         Returns
         -------
         display : RankGapDisplay
         """
         check_matplotlib_support("RankGapDisplay.plot")
-        ax, fig, before = _axes(ax, self)
+        ax, fig, before, _ = _axes(ax, self)
         own = [{"color": "tab:blue", "label": "rank J(X_train)"},
                {"color": "tab:red", "linestyle": "--", "label": "rank J([X_train; X_test])"}]
         self.lines_ = [
-            ax.step(self.steps, ranks, **{"where": "post", **kw, **line_kw})[0]
+            ax.step(self.steps, ranks, **_style({"where": "post", **kw}, line_kw))[0]
             for ranks, kw in zip((self.rank_train, self.rank_joint), own)
         ]
         ax.set_xlabel("optimizer step")
@@ -1157,8 +1213,9 @@ class TangentEmbeddingDisplay:
         Parameters
         ----------
         ax : matplotlib Axes, default=None
-            Axes to draw on; None creates a new figure. The axes this display last drew
-            on is redrawn (its previous points and colour bar removed).
+            Axes to draw on; None creates a new figure. An axes this display drew on
+            before is redrawn (its points there removed, its colour bar drawn again in
+            place; the user's own artists stay).
         cmap : str or Colormap, default="tab10"
             Matplotlib colormap. A qualitative map with fewer entries than classes is
             interpolated between its entries, so that each class keeps its own colour.
@@ -1177,19 +1234,20 @@ class TangentEmbeddingDisplay:
         import matplotlib as mpl
 
         _check_class_colours(self.y, scatter_kw)
-        ax, fig, before = _axes(ax, self)
+        values = self.y is not None and _drawn_as_values(self.y, self.continuous)
+        ax, fig, before, cax = _axes(ax, self, values and legend)
         E = np.asarray(self.embedding)
         kw = {"s": 10, **scatter_kw}
         self.colorbar_ = None
         if self.y is None:
             self.scatter_ = ax.scatter(E[:, 0], E[:, 1], **kw)
-        elif _drawn_as_values(self.y, self.continuous):
+        elif values:
             # A regression target: one colour per distinct value made a legend entry per
             # sample. Values on a sequential map, read off a colour bar.
             self.scatter_ = ax.scatter(E[:, 0], E[:, 1], c=np.asarray(self.y, dtype=float),
                                        cmap="viridis" if cmap == "tab10" else cmap, **kw)
             if legend:
-                self.colorbar_ = fig.colorbar(self.scatter_, ax=ax)
+                self.colorbar_ = _colorbar(fig, ax, cax, self.scatter_)
         else:
             classes, codes = np.unique(np.asarray(self.y), return_inverse=True)
             cm = mpl.colormaps[cmap] if isinstance(cmap, str) else cmap

@@ -1330,3 +1330,76 @@ def test_umap_takes_its_keywords_over_the_displays_own(circle, monkeypatch):
     with pytest.raises(ValueError, match="metric is set by the display"):
         TangentEmbeddingDisplay.from_estimator(clf, X[:12], method="umap",
                                                method_kw={"metric": "cosine"})
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_a_redraw_reuses_its_colour_bar_beside_the_users_and_after_clear(index):
+    """Review of s54's redraw: removing the display's colour bar gave the axes back the
+    room it had when the bar was made, over a colour bar the user added since (the heat
+    map covered it); after ax.clear() the removal failed in matplotlib
+    (AttributeError: 'NoneType' object has no attribute 'set_subplotspec'); and a
+    drawing on A, then B, then A again stacked a second bar on A. The redraw now draws
+    its bar into the previous bar's axes."""
+    disp = _colour_bar_displays()[index]
+    fig, (A, B) = plt.subplots(1, 2)
+    disp.plot(ax=A)
+    n_children = len(A.get_children())
+    mine = A.scatter([0.0], [0.0], c=[1.0])
+    users = fig.colorbar(mine, ax=A)
+    disp.plot(ax=A)
+    fig.canvas.draw()
+    assert len(fig.axes) == 4 and users.ax in fig.axes and mine in A.get_children()
+    assert disp.colorbar_.mappable in A.get_children()
+    # Side by side, not overlapping: the drawing, the user's bar, the display's.
+    boxes = sorted((a.get_position().x0, a.get_position().x1) for a in (A, users.ax,
+                                                                        disp.colorbar_.ax))
+    assert all(left[1] <= right[0] + 1e-9 for left, right in zip(boxes, boxes[1:]))
+    disp.plot(ax=B)
+    disp.plot(ax=A)
+    assert len(fig.axes) == 5 and len(A.get_children()) == n_children + 1  # + mine
+    A.clear()
+    disp.plot(ax=A)
+    assert len(fig.axes) == 5 and disp.colorbar_.mappable in A.get_children()
+
+
+def test_keywords_under_matplotlibs_aliases_replace_the_displays_own():
+    """Review of s54's artist keywords: ls=, c=, lw=, ec=, fc= beside the display's
+    linestyle=, color=, linewidths=, edgecolors=, c= failed in matplotlib ("Got both
+    'linestyle' and 'ls'"), after the first artist was drawn; a norm in neighbor_kw
+    failed beside the display's vmin/vmax after the training set was drawn, and an
+    anchor's facecolor lost to the display's black with a warning. The user's keyword
+    now replaces the display's, as scikit-learn's displays resolve aliases."""
+    import matplotlib as mpl
+
+    rank = RankGapDisplay(np.arange(4), [1, 2, 2, 3], [1, 3, 3, 4], rtol=1e-7)
+    rank.plot(ls=":", c="k", lw=3)
+    for line in rank.lines_:
+        assert line.get_linestyle() == ":" and line.get_color() == "k"
+        assert line.get_linewidth() == 3
+    _, ax = plt.subplots()
+    with pytest.raises(TypeError, match="aliases of one another"):
+        rank.plot(ax=ax, ls=":", linestyle="-")
+    assert ax.get_lines() == []
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(12, 2))
+    near = KernelNeighborsDisplay(X, (X[:, 0] > 0).astype(int), X[:2],
+                                  np.array([[0, 3, 4], [1, 5, 6]]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        near.plot(scatter_kw={"lw": 1.5}, neighbor_kw={"ec": "red", "linewidth": 2},
+                  anchor_kw={"lw": 1, "fc": "tab:green", "marker": "o"})
+    assert near.scatter_.get_linewidths().tolist() == [1.5]
+    for scatter in near.neighbor_scatters_:
+        np.testing.assert_allclose(scatter.get_edgecolors(), [mpl.colors.to_rgba("red")])
+        assert scatter.get_linewidths().tolist() == [2]
+    np.testing.assert_allclose(near.anchor_scatter_.get_facecolors(),
+                               [mpl.colors.to_rgba("tab:green")])
+    assert near.anchor_scatter_.get_linewidths().tolist() == [1]
+    _, ax = plt.subplots()
+    for kw in ({"norm": mpl.colors.Normalize(0, 1)}, {"cmap": "viridis"},
+               {"facecolors": "k"}):
+        with pytest.raises(ValueError, match="colouring of the points by y"):
+            near.plot(ax=ax, neighbor_kw=kw)
+    assert len(ax.collections) == 0
+    matrix = KernelMatrixDisplay(np.eye(4), y=[0, 0, 1, 1]).plot(boundary_kw={"ls": ":"})
+    assert {line.get_linestyle() for line in matrix.boundary_lines_} == {":"}

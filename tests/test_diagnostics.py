@@ -713,3 +713,25 @@ def test_a_frozen_estimator_stands_for_the_estimator_it_holds():
         hessian_trace_path(clf, X[:5], y[:5], steps=[0, -1], n_samples=5,
                            random_state=0).estimates)
     np.testing.assert_array_equal(loss_path(frozen), loss_path(clf))
+
+
+@pytest.mark.parametrize("function", [hessian_trace, loss_path])
+def test_a_pipeline_ending_in_a_wrapper_gets_the_whole_way_to_its_network(function):
+    """Review of s54: a pipeline whose last step is a wrapper (here a
+    TransformedTargetRegressor) was unwrapped to that step first, whose refusal named
+    regressor_ without the pipeline's part (main named pipe[-1].regressor_, on
+    pipe[:-1].transform(X)); the displays lost it the same way."""
+    from sklearn.compose import TransformedTargetRegressor
+
+    from skpathkernel.plotting import KernelMatrixDisplay
+
+    X = np.random.RandomState(0).normal(size=(12, 2))
+    y = np.sin(X[:, 0])
+    pipe = make_pipeline(StandardScaler(), TransformedTargetRegressor(
+        PathKernelMachine(hidden_layer_sizes=(3,), max_iter=2, tol=None, random_state=0),
+        func=np.exp, inverse_func=np.log)).fit(X, y)
+    way = r"pipe\[-1\]\.regressor_, .*pipe\[:-1\]\.transform\(X\)"
+    with pytest.raises(TypeError, match=way):
+        function(pipe)
+    with pytest.raises(TypeError, match=way):
+        KernelMatrixDisplay.from_estimator(pipe, X)

@@ -1262,6 +1262,15 @@ def pipeline_last_step(estimator, *inputs):
     :func:`_wrapped_network_hint` tells the kernels' users to do by hand (``pipe[-1]`` on
     ``pipe[:-1].transform(X)``). The wrappers whose network saw other inputs or targets
     (a bag, one estimator per output) are left to :func:`network_of` to refuse."""
+    last = estimator
+    while isinstance(last, Pipeline) and len(last):
+        last = last[-1]
+    if not (hasattr(last, "network_") or isinstance(last, TrainedNetwork)):
+        # A wrapper in the last step (a search, TransformedTargetRegressor), or not
+        # fitted: network_of refuses the pipeline itself, with the hint naming the whole
+        # way (pipe[-1].regressor_ on pipe[:-1].transform(X)), where the last step's
+        # hint lost the pipeline's part of it.
+        return (estimator, *inputs)
     while isinstance(estimator, Pipeline):
         check_is_fitted(estimator)
         if len(estimator) > 1:  # steps before the last

@@ -711,6 +711,9 @@ class KernelNeighborsDisplay:
                                         UserWarning)
                 y = estimator.predict(X)
         y = _labels(y, X.shape[0], "y (default: the estimator's predictions on X_fit_)")
+        # Before the kernels: labels that are not numbers, said to be values, failed in
+        # plot's float conversion after them.
+        continuous = _values_by_estimator(estimator, y, continuous)
         if kernel == "euclidean":
             # As kneighbors checks them for the kernels: a bool is not a count, and the
             # kernels' options, unused here, were taken whatever they were (step="a").
@@ -737,7 +740,7 @@ class KernelNeighborsDisplay:
             title = (f"{n_neighbors} nearest under the "
                      f"{_kernel_label(kernel, step, normalized, net.trajectory.steps)}")
         disp = cls(X, y, anchors, neighbors, distances=distances,
-                   continuous=_values_by_estimator(estimator, y, continuous), title=title)
+                   continuous=continuous, title=title)
         return disp.plot(ax=ax, cmap=cmap, legend=legend, scatter_kw=scatter_kw,
                          neighbor_kw=neighbor_kw, anchor_kw=anchor_kw)
 
@@ -1124,7 +1127,22 @@ def _drawn_as_values(y, continuous) -> bool:
     if continuous is None:
         return _continuous(y)
     check_flag(continuous, "continuous")
+    if continuous:
+        _check_numbers(y)
     return bool(continuous)
+
+
+def _check_numbers(y):
+    """Refuse ``y`` said to be values (``continuous=True``) that are not numbers: the
+    points' colours are their float values, and the conversion failed in numpy's words
+    once the kernels were computed (and the axes' previous drawing removed)."""
+    try:
+        np.asarray(y, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"continuous=True draws y by value on a colour bar, and y holds labels that "
+            f"are not numbers ({np.asarray(y).dtype}): pass continuous=None or False to "
+            "draw them as classes.") from None
 
 
 def _is_regressor(estimator) -> bool:
@@ -1146,8 +1164,7 @@ def _values_by_estimator(estimator, y, continuous=None):
     legend entry each), else None (decided from ``y`` by type_of_target: a classifier's
     labels, or ``y`` of a network without an estimator's type)."""
     if continuous is not None:
-        check_flag(continuous, "continuous")
-        return bool(continuous)
+        return _drawn_as_values(y, continuous)
     numeric = np.asarray(y).dtype.kind in "iuf"
     return True if _is_regressor(estimator) and numeric else None
 
@@ -1331,6 +1348,8 @@ class TangentEmbeddingDisplay:
         X = net.check(X)
         if y is not None:
             y = _labels(y, X.shape[0])
+            # Before the kernel (see KernelNeighborsDisplay.from_estimator).
+            continuous = _values_by_estimator(estimator, y, continuous)
         _check_class_colours(y, scatter_kw)
         resolved = _resolve_method(method)
         # Checked before the kernel: TSNE and UMAP refused a perplexity or neighbours
@@ -1352,8 +1371,8 @@ class TangentEmbeddingDisplay:
                 E = embedder.fit_transform(D)
         name = _METHOD_NAMES[resolved]
         title = f"tangent features at {_point_label(step, net.trajectory.steps)} ({name})"
-        disp = cls(E, y=y, continuous=None if y is None else _values_by_estimator(
-            estimator, y, continuous), method=name, title=title)
+        disp = cls(E, y=y, continuous=None if y is None else continuous, method=name,
+                   title=title)
         return disp.plot(ax=ax, cmap=cmap, legend=legend, **scatter_kw)
 
 

@@ -1403,3 +1403,32 @@ def test_keywords_under_matplotlibs_aliases_replace_the_displays_own():
     assert len(ax.collections) == 0
     matrix = KernelMatrixDisplay(np.eye(4), y=[0, 0, 1, 1]).plot(boundary_kw={"ls": ":"})
     assert {line.get_linestyle() for line in matrix.boundary_lines_} == {":"}
+
+
+def test_continuous_labels_that_are_not_numbers_are_refused_before_the_kernels(
+        circle, monkeypatch):
+    """Review of s54: continuous=True with a classifier's string labels failed in numpy
+    ("could not convert string to float") once the kernels and the embedding were
+    computed, and in plot after the axes' previous drawing was removed."""
+    clf, X, y = circle
+    words = np.where(y == 1, "out", "in")
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the kernel was computed before the refusal")
+
+    monkeypatch.setattr(plotting, "step_kernel", no_kernel)
+    monkeypatch.setattr(type(clf), "kneighbors", no_kernel)
+    with pytest.raises(ValueError, match="not numbers"):
+        TangentEmbeddingDisplay.from_estimator(clf, X, words, method="pca", continuous=True)
+    with pytest.raises(ValueError, match="not numbers"):
+        KernelNeighborsDisplay.from_estimator(clf, X[:1], 3, y=words, continuous=True)
+    disp = TangentEmbeddingDisplay(X, words).plot()
+    n_children = len(disp.ax_.get_children())
+    disp.continuous = True
+    with pytest.raises(ValueError, match="not numbers"):
+        disp.plot(ax=disp.ax_)
+    assert len(disp.ax_.get_children()) == n_children
+    # Numbers said to be values are drawn by value.
+    codes = (y == 1).astype(int)
+    disp = KernelNeighborsDisplay(X, codes, X[:1], np.array([[0, 1, 2]]), continuous=True)
+    assert disp.plot().colorbar_ is not None

@@ -3256,7 +3256,10 @@ def test_plain_cnn_route_matches_dense_jacobian(kind, monkeypatch):
     general, general32 = grams(), grams(torch.float32)
     for key in general:
         assert torch.equal(exact[key], general[key]), key
-        assert torch.equal(exact32[key], general32[key]), key
+        # float32: equal to rounding, not bitwise: the two routes' convolutions run on
+        # different batch shapes, for which oneDNN picks different kernels on some CPUs
+        # (bit-equal on an Intel Xeon, 1.0e-7 apart relative to the largest entry on an AMD EPYC).
+        _close(exact32[key], general32[key], 1e-6)
         _close(got[key], general[key], 1e-12)
         _close(got32[key], general32[key], 1e-6)
 

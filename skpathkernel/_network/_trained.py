@@ -753,7 +753,7 @@ ValueError
             raise ValueError("y holds the queries' classes, which only output='margin' "
                              "reads: pass output='margin' to explain their margins, or "
                              "leave y out to explain output 0.")
-        output = check_output(output, n_outputs, margin, also)
+        output = check_output(output, n_outputs, margin, also, n_queries=len(prediction))
         if encode is None:
             def encode(y):
                 if multilabel:
@@ -761,8 +761,9 @@ ValueError
                 return class_indices(y, max(n_outputs, 2))
         # A classifier's labels given with another output explain nothing, but are still
         # checked (one per query, of the fitted classes): a wrong y is a mistake either way.
+        is_margin = isinstance(output, str)  # checked: "margin", an int or weights
         codes = (query_codes(prediction, y, encode, multilabel)
-                 if output == "margin" or (y is not None and margin == "default") else None)
+                 if is_margin or (y is not None and margin == "default") else None)
         weights = output_weights(output, prediction, codes)
         if scale is not None:
             weights = weights * np.asarray(scale, dtype=np.float64).reshape(-1)
@@ -890,8 +891,9 @@ ValueError
             Training points per query, largest contribution first.
         method : {"exact", "first_order", "second_order"}, default="exact"
             The decomposition's method (see :meth:`decompose`).
-        output : "margin", int or "all", default=None
-            The scalar output explained (as in :meth:`attribute`), or "all" outputs.
+        output : "margin", int, array-like of float or "all", default=None
+            The scalar output explained (as in :meth:`attribute`: a class's margin, an
+            output column or the outputs' weighted sum), or "all" outputs.
         n_jobs : int, default=None
             Query blocks on joblib workers, as in :meth:`decompose`.
         margin : {"allowed", "default", "no"}, default="allowed"
@@ -949,9 +951,10 @@ ValueError
         multilabel = self.multilabel if multilabel is None else multilabel
         X_fit, Y_fit = self._training_data()
         prediction = self.outputs(X_fit)
-        output = check_output(output, prediction.shape[1], margin)
+        output = check_output(output, prediction.shape[1], margin,
+                              n_queries=len(prediction))
         codes = (_target_codes(self.y_fit, multilabel, self.loss.name)
-                 if output == "margin" else None)
+                 if isinstance(output, str) else None)
         weights = output_weights(output, prediction, codes)
         if scale is not None:
             weights = weights * np.asarray(scale, dtype=np.float64).reshape(-1)

@@ -52,11 +52,13 @@ from .._path._storage import TrajectoryFileError
 from .._path._training import (
     RECORDED_ADVICE,
     check_modes_now,
+    draws_in_training,
     warn_drawing_now,
     warn_drawn,
     warn_random_forward,
 )
 from .._path._trajectory import Trajectory
+from .._tangent import warn_on_fallback
 from .._validation import check_flag, check_memory_budget, is_option
 from .._warnings import VersionedStateMixin, caller_stacklevel
 from ._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
@@ -454,8 +456,13 @@ class TrainedNetwork(VersionedStateMixin):
             if self.__dict__.pop("_probe_draws", False):
                 # A recorded loop's network without training inputs (the one-point route
                 # of a pretrained model): its first analysis's inputs are the first it has
-                # for the probe that X_train gets at as_network (see _recorded_network).
-                warn_random_forward(self.module, self.tensor(X[:64]), advice=RECORDED_ADVICE)
+                # for the probes that X_train gets at as_network (see _recorded_network):
+                # the random draws', then the fallback's, which the estimators' fit and a
+                # loop with X_train warn of and this one reached without a word.
+                x = self.tensor(X[:64])
+                drawn = warn_random_forward(self.module, x, advice=RECORDED_ADVICE)
+                if not (drawn or draws_in_training(self.module)):
+                    warn_on_fallback(self.module, x)
 
     def _takes_as_is(self, X) -> bool:
         """Whether ``check_input`` would return ``X`` itself, unchanged and unrefused.

@@ -135,8 +135,8 @@ def margin_weights(outputs: np.ndarray, codes: np.ndarray) -> np.ndarray:
     return weights
 
 
-def check_output(output, n_outputs: int, margin: str, also: str = "",
-                 n_queries: int | None = None):
+def check_output(output, n_outputs: int, margin: str, also: str = "", *,
+                 n_queries: int):
     """The explained output, checked: "margin", an output column index, or the output
     weights (float64, (n_queries, n_outputs)).
 
@@ -176,29 +176,25 @@ def check_output(output, n_outputs: int, margin: str, also: str = "",
     return int(output)
 
 
-def check_output_weights(output, n_outputs: int, n_queries: int | None) -> np.ndarray:
+def check_output_weights(output, n_outputs: int, n_queries: int) -> np.ndarray:
     """Output weights ``w`` (explaining ``sum_c w_c f_c``) as a finite float64 matrix of
     shape (n_queries, n_outputs): a vector of shape (n_outputs,) repeated for every
     query, or a matrix with one row per query (``n_queries`` rows)."""
-    rows = "n_queries" if n_queries is None else n_queries
-    expected = f"({n_outputs},) or ({rows}, {n_outputs})"
+    expected = f"({n_outputs},) or ({n_queries}, {n_outputs})"
     try:
         weights = np.asarray(output, dtype=np.float64)
     except (TypeError, ValueError) as error:
         raise ValueError(f"output weights must be numbers of shape {expected}; "
                          f"{error}.") from None
-    if weights.ndim == 1 and weights.shape[0] == n_outputs:
-        weights = np.broadcast_to(weights, (0 if n_queries is None else n_queries,
-                                            n_outputs))
-    elif weights.ndim != 2 or weights.shape[1] != n_outputs or (
-            n_queries is not None and weights.shape[0] != n_queries):
+    if weights.shape not in ((n_outputs,), (n_queries, n_outputs)):
         raise ValueError(f"output weights must have shape {expected} (one weight per "
                          f"network output, for every query or one row per query), got "
                          f"shape {weights.shape}.")
-    if not np.isfinite(weights).all():
+    if not np.isfinite(weights).all():  # before the vector is repeated over no query
         raise ValueError("output weights contain NaN or infinity; every weight must be "
                          "finite.")
-    return np.array(weights)  # writable, the caller's array never aliased
+    # A copy: writable, the caller's array never aliased by the scaled weights.
+    return np.array(np.broadcast_to(weights, (n_queries, n_outputs)))
 
 
 def output_weights(output, prediction: np.ndarray, codes) -> np.ndarray:

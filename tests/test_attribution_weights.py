@@ -142,6 +142,9 @@ def test_binary_margin_is_the_signed_logit(data):
                         atol=1e-15)
     assert_array_equal(binary.attribute(X[:4], output=[1.0]), binary.attribute(X[:4],
                                                                              output=0))
+    # [0] is a weight of 0 on the one logit, not its index: refused, not zero scores.
+    with pytest.raises(ValueError, match="all 0"):
+        binary.attribute(X[:4], output=[0])
 
 
 @pytest.mark.parametrize("method", ["exact", "unrolled"])
@@ -211,15 +214,24 @@ def test_regressor_weights_are_in_the_units_of_y(method):
         assert_allclose((res.initial + res.regularization) @ w + scores.sum(1),
                         est.predict(Xq) @ w, rtol=0, atol=1e-9)
         return
-    h, columns = 1e-5, []
+    # The refits' predictions at the queries and at the training points (whose own
+    # columns are self_influence's), (queries + points, outputs, points).
+    h, columns, at = 1e-5, [], np.vstack([Xq, X])
     for i in range(len(X)):
         up, down = np.ones(len(X)), np.ones(len(X))
         up[i] += h
         down[i] -= h
-        columns.append((PathKernelMachine(**params).fit(X, y, sample_weight=up).predict(Xq)
+        columns.append((PathKernelMachine(**params).fit(X, y, sample_weight=up).predict(at)
                         - PathKernelMachine(**params).fit(X, y, sample_weight=down).predict(
-                            Xq)) @ w / (2 * h))
-    assert _rel(scores, np.stack(columns, axis=1)) < 1e-6
+                            at)) / (2 * h))
+    fd = np.stack(columns, axis=2)
+    assert _rel(scores, np.einsum("qcn,c->qn", fd[:2], w)) < 1e-6
+    # self_influence weighs its points' predictions in the units of y too (each output
+    # times its scale), a row per point or one for all.
+    own = fd[2:][np.arange(len(X)), :, np.arange(len(X))]  # (points, outputs)
+    W = np.random.default_rng(1).normal(size=(len(X), 2))
+    assert _rel(est.self_influence(output=W), (own * W).sum(1)) < 1e-6
+    assert _rel(est.self_influence(output=w), own @ w) < 1e-6
 
 
 @pytest.mark.parametrize("output, match", [
@@ -232,6 +244,11 @@ def test_regressor_weights_are_in_the_units_of_y(method):
     (["a", "b", "c"], r"numbers of shape \(3,\) or \(4, 3\)"),
     ([[1.0, 2.0], [3.0]], r"numbers of shape \(3,\) or \(4, 3\)"),
     (1.5, r"or output weights of shape \(3,\)"),
+    # All zero: the zero function, every score 0 (output=[0] meant as an index).
+    ([0, 0, 0], "all 0.*pass an int"),
+    (np.zeros((4, 3)), "all 0"),
+    # Complex: float64 dropped the imaginary parts with only a ComplexWarning.
+    (np.array([1.0 + 2.0j, 0.0, 0.0]), "real numbers of shape"),
 ])
 @pytest.mark.parametrize("method", ["exact", "unrolled"])
 def test_bad_weights_are_refused_and_change_nothing(clf, data, output, match, method):

@@ -436,6 +436,8 @@ def test_a_recorded_loop_without_its_training_inputs_warns_at_its_first_analysis
             assert not [w for w in seen if issubclass(w.category, FallbackWarning)]
             K = net.tangent_kernel_(X[:4])
             net.tangent_kernel_(X[:4])  # once: the second analysis says nothing more
+            # Nor one of inputs of another form, checked anew (float32 rows).
+            net.tangent_kernel_(X[:4].astype(np.float32))
         # The kernel the warning is about, the dense Jacobian's (by torch.func).
         np.testing.assert_allclose(K, J @ J.T, rtol=1e-10)
         _assert_one_fallback_warning(seen, slow)

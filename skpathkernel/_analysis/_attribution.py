@@ -182,10 +182,15 @@ def check_output_weights(output, n_outputs: int, n_queries: int) -> np.ndarray:
     query, or a matrix with one row per query (``n_queries`` rows)."""
     expected = f"({n_outputs},) or ({n_queries}, {n_outputs})"
     try:
-        weights = np.asarray(output, dtype=np.float64)
+        weights = np.asarray(output)
+        # Complex weights: float64 would drop their imaginary parts with a mere
+        # ComplexWarning (a list of Python complex numbers is refused by float()).
+        if weights.dtype.kind == "c":
+            raise TypeError("complex weights have no real weighted sum")
+        weights = weights.astype(np.float64)
     except (TypeError, ValueError) as error:
-        raise ValueError(f"output weights must be numbers of shape {expected}; "
-                         f"{error}.") from None
+        raise ValueError(f"output weights must be real numbers of shape {expected}; "
+                         f"{str(error).rstrip('.')}.") from None
     if weights.shape not in ((n_outputs,), (n_queries, n_outputs)):
         raise ValueError(f"output weights must have shape {expected} (one weight per "
                          f"network output, for every query or one row per query), got "
@@ -193,6 +198,12 @@ def check_output_weights(output, n_outputs: int, n_queries: int) -> np.ndarray:
     if not np.isfinite(weights).all():  # before the vector is repeated over no query
         raise ValueError("output weights contain NaN or infinity; every weight must be "
                          "finite.")
+    if not weights.any():
+        # The zero function, every score 0: output=[0] read as the index of the only
+        # output (a binary classifier's, a single regressor's) is a weight of 0.
+        raise ValueError("output weights are all 0, whose weighted sum of the outputs is "
+                         "0 and explains nothing; a list or array is weights, never "
+                         "output indices: pass an int to explain one output (output=0).")
     # A copy: writable, the caller's array never aliased by the scaled weights.
     return np.array(np.broadcast_to(weights, (n_queries, n_outputs)))
 

@@ -224,8 +224,11 @@ output : "margin", int or array-like of float, default=None
     without wrapping the module: its scores are that sum of the per-output scores,
     and a one-hot ``w`` is the int output. A regressor's outputs are in the units
     of ``y``, as an int output's (each times its ``normalize_y`` scale): ``w``
-    weighs the predictions. Weights of another shape, or NaN or infinite ones, are
-    refused with a ``ValueError``. ${output_default}
+    weighs the predictions. A list or array is always weights, never output
+    indices: ``output=[0, 1]`` on two outputs is output 1, and on one output (a
+    binary classifier's single logit, ``n_outputs_ = 1``) ``[1]`` is that output and
+    ``[0]``, all zero, is refused. Weights of another shape, all zero, complex, NaN or
+    infinite ones, are refused with a ``ValueError``. ${output_default}
 n_nodes : int, default=None
     Quadrature nodes per step for "exact", see :meth:`decompose`; ignored by the
     other methods.

@@ -383,10 +383,8 @@ def test_one_warning_per_fit_when_fallback_layers_hold_much(slow):
             fallback[0].message)
 
 
-@pytest.mark.parametrize("slow", [False, True])
-def test_a_recorded_loop_warns_as_the_fit_does(slow):
-    # A user's own loop reached the same fallback without a word: only the estimators'
-    # fit warned. Building its network with the training inputs now warns the same.
+def _fallback_loop(slow):
+    """``(X, module, recorder)``: two SGD steps of a plain loop on ``_Fallback``."""
     X = np.random.RandomState(0).uniform(-1, 1, size=(12, 3))
     Xt, Yt = torch.as_tensor(X), torch.as_tensor(X[:, :1])
     torch.manual_seed(0)
@@ -397,16 +395,52 @@ def test_a_recorded_loop_warns_as_the_fit_does(slow):
             opt.zero_grad()
             (0.5 * (module(Xt) - Yt) ** 2).mean().backward()
             opt.step()
+    return X, module, rec
+
+
+def _assert_one_fallback_warning(seen, slow):
+    """The slow layer's FallbackWarning, once and at the user's line; none without it."""
+    fallback = [w for w in seen if issubclass(w.category, FallbackWarning)]
+    assert len(fallback) == (1 if slow else 0)
+    if slow:
+        assert "slow (_MyLinear, 72" in str(fallback[0].message)
+        assert fallback[0].filename == __file__  # the user's line
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_a_recorded_loop_warns_as_the_fit_does(slow):
+    # A user's own loop reached the same fallback without a word: only the estimators'
+    # fit warned. Building its network with the training inputs now warns the same.
+    X, module, rec = _fallback_loop(slow)
     for build in (lambda: rec.as_network(X), lambda: RecordedNetwork(module, rec.trajectory,
                                                                       X_train=X)):
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             build()
-        fallback = [w for w in seen if issubclass(w.category, FallbackWarning)]
-        assert len(fallback) == (1 if slow else 0)
-        if slow:
-            assert "slow (_MyLinear, 72" in str(fallback[0].message)
-            assert fallback[0].filename == __file__  # the user's line
+        _assert_one_fallback_warning(seen, slow)
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_a_recorded_loop_without_its_training_inputs_warns_at_its_first_analysis(slow):
+    # Without X_train (a pretrained model's one-point path, as_network()) nothing probed
+    # the routes: the loop's kernels took the fallback without the warning the fit and a
+    # loop with X_train give. Its first analysis's inputs are probed, once.
+    X, module, rec = _fallback_loop(slow)
+    J = torch.func.jacrev(lambda p: torch.func.functional_call(
+        module, p, (torch.as_tensor(X[:4]),)))(dict(module.named_parameters()))
+    J = torch.cat([j.reshape(4, -1) for j in J.values()], dim=1).detach().numpy()
+    for build in (rec.as_estimator, lambda: RecordedNetwork(module, rec.trajectory)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            net = build()
+            assert not [w for w in seen if issubclass(w.category, FallbackWarning)]
+            K = net.tangent_kernel_(X[:4])
+            net.tangent_kernel_(X[:4])  # once: the second analysis says nothing more
+            # Nor one of inputs of another form, checked anew (float32 rows).
+            net.tangent_kernel_(X[:4].astype(np.float32))
+        # The kernel the warning is about, the dense Jacobian's (by torch.func).
+        np.testing.assert_allclose(K, J @ J.T, rtol=1e-10)
+        _assert_one_fallback_warning(seen, slow)
 
 
 def test_the_user_guide_code_runs(registered):

@@ -27,8 +27,8 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.special import logsumexp, softmax
 
-__all__ = ["check_indicator", "check_output", "class_indices", "label_codes", "margin",
-           "margin_weights", "output_weights", "query_codes"]
+__all__ = ["check_indicator", "check_output", "check_output_weights", "class_indices",
+           "label_codes", "margin", "margin_weights", "output_weights", "query_codes"]
 
 
 def label_codes(classes: np.ndarray, y) -> np.ndarray:
@@ -135,13 +135,16 @@ def margin_weights(outputs: np.ndarray, codes: np.ndarray) -> np.ndarray:
     return weights
 
 
-def check_output(output, n_outputs: int, margin: str, also: str = ""):
-    """The explained output, checked: "margin" or an output column index.
+def check_output(output, n_outputs: int, margin: str, also: str = "", *,
+                 n_queries: int):
+    """The explained output, checked: "margin", an output column index, or the output
+    weights (float64, (n_queries, n_outputs)).
 
     ``margin`` says what the margin is to this network: "default" (a classifier: None
     means "margin"), "allowed" (None means column 0 of a single output) or "no" (a
     regressor). ``also``: the caller's other choices, named in the errors (explain's
-    ``"'all'"``), which the caller handles before.
+    ``"'all'"``), which the caller handles before. ``n_queries``: the rows of a weight
+    matrix (one per query); a weight vector of shape (n_outputs,) is repeated over them.
     """
     # Every choice the caller takes, so that an error names them all.
     choices = [c for c in ("" if margin == "no" else "'margin'", also) if c]
@@ -150,29 +153,71 @@ def check_output(output, n_outputs: int, margin: str, also: str = ""):
             return "margin"
         if n_outputs > 1:
             raise ValueError(f"The network has {n_outputs} outputs: pass output=<index> to "
-                             "choose the one to explain"
+                             "choose the one to explain, or output=<weights of shape "
+                             f"({n_outputs},)> to explain their weighted sum"
                              + "".join(f", or output={c}" for c in choices) + ".")
         return 0
     if isinstance(output, str) and output == "margin":
         if margin == "no":
             raise ValueError("output='margin' needs class labels: it is for classifiers; "
-                             "pass an output index.")
+                             "pass an output index or output weights.")
         return output
+    # Not a scalar (np.ndim would fail on a ragged list): weights, whose own check
+    # names their shapes.
+    if not isinstance(output, (str, numbers.Number, np.ndarray)) or (
+            isinstance(output, np.ndarray) and output.ndim > 0):
+        return check_output_weights(output, n_outputs, n_queries)
     if (isinstance(output, bool) or not isinstance(output, numbers.Integral)
             or not 0 <= output < n_outputs):
         allowed = "".join(f"{c} or " for c in choices)
-        raise ValueError(f"output must be {allowed}an output index in [0, {n_outputs}), "
-                         f"got {output!r}.")
+        raise ValueError(f"output must be {allowed}an output index in [0, {n_outputs}) "
+                         f"or output weights of shape ({n_outputs},) or (n_queries, "
+                         f"{n_outputs}), got {output!r}.")
     return int(output)
+
+
+def check_output_weights(output, n_outputs: int, n_queries: int) -> np.ndarray:
+    """Output weights ``w`` (explaining ``sum_c w_c f_c``) as a finite float64 matrix of
+    shape (n_queries, n_outputs): a vector of shape (n_outputs,) repeated for every
+    query, or a matrix with one row per query (``n_queries`` rows)."""
+    expected = f"({n_outputs},) or ({n_queries}, {n_outputs})"
+    try:
+        weights = np.asarray(output)
+        # Complex weights: float64 would drop their imaginary parts with a mere
+        # ComplexWarning (a list of Python complex numbers is refused by float()).
+        if weights.dtype.kind == "c":
+            raise TypeError("complex weights have no real weighted sum")
+        weights = weights.astype(np.float64)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"output weights must be real numbers of shape {expected}; "
+                         f"{str(error).rstrip('.')}.") from None
+    if weights.shape not in ((n_outputs,), (n_queries, n_outputs)):
+        raise ValueError(f"output weights must have shape {expected} (one weight per "
+                         f"network output, for every query or one row per query), got "
+                         f"shape {weights.shape}.")
+    if not np.isfinite(weights).all():  # before the vector is repeated over no query
+        raise ValueError("output weights contain NaN or infinity; every weight must be "
+                         "finite.")
+    if not weights.any():
+        # The zero function, every score 0: output=[0] read as the index of the only
+        # output (a binary classifier's, a single regressor's) is a weight of 0.
+        raise ValueError("output weights are all 0, whose weighted sum of the outputs is "
+                         "0 and explains nothing; a list or array is weights, never "
+                         "output indices: pass an int to explain one output (output=0).")
+    # A copy: writable, the caller's array never aliased by the scaled weights.
+    return np.array(np.broadcast_to(weights, (n_queries, n_outputs)))
 
 
 def output_weights(output, prediction: np.ndarray, codes) -> np.ndarray:
     """Weights (n, C) of the scalar output an attribution explains (a checked ``output``).
 
     "margin": the margin's linear part at ``prediction`` for labels ``codes``; an int
-    ``k``: output column ``k``.
+    ``k``: output column ``k``; an array: the weights themselves (from
+    :func:`check_output`, one row per query).
     """
-    if output == "margin":
+    if isinstance(output, np.ndarray):
+        return output
+    if isinstance(output, str):  # "margin"
         return margin_weights(prediction, codes)
     weights = np.zeros(prediction.shape)
     weights[:, output] = 1.0

@@ -462,11 +462,12 @@ class _KernelMachineMixin(TransformerMixin):
             training samples (more is refused, as by :meth:`kneighbors`).
         method : {"exact", "first_order", "second_order"}, default="exact"
             How the contributions are computed, as in :meth:`decompose`.
-        output : "margin", int or "all", default=None
+        output : "margin", int, array-like of float or "all", default=None
             The output explained. None: the predicted class's margin for classifiers
             (see :meth:`attribute`), the output for single-output regressors, and "all"
-            for regressors with several outputs. "margin" and an int are as in
-            :meth:`attribute`; "all" explains every output at once.
+            for regressors with several outputs. "margin", an int and output weights
+            (the weighted sum of the outputs, in the units of ``y`` for regressors)
+            are as in :meth:`attribute`; "all" explains every output at once.
         n_jobs : int, default=None
             Query blocks on joblib workers (Dask under
             ``joblib.parallel_config(backend="dask")``), as in :meth:`decompose`; the

@@ -207,7 +207,7 @@ method : {"exact", "first_order", "second_order", "unrolled"}, default="exact"
     :meth:`decompose`.
 weighting : {"realized", "expected"}, default="realized"
     See :meth:`decompose`; "unrolled" takes the realized batches.
-output : "margin" or int, default=None
+output : "margin", int or array-like of float, default=None
     The scalar output explained. "margin" is TRAK's
     ``log(p_y / (1 - p_y)) = f_y - logsumexp_{k != y} f_k``: exact for binary
     classifiers (the margin is the network's output up to its sign); for several
@@ -217,7 +217,18 @@ output : "margin" or int, default=None
     A multilabel classifier's margin is the sum of its labels' binary margins,
     ``sum_k s_k f_k`` with ``s_k = +1`` for a label that is on, ``-1`` for one that
     is off: linear in the logits, so its split is exact.
-    An int ``k`` explains output column ``k`` (logit ``k``). ${output_default}
+    An int ``k`` explains output column ``k`` (logit ``k``). Weights ``w`` of
+    shape (n_outputs,) (every query) or (n_queries, n_outputs) (one row per query)
+    explain the weighted sum of the outputs ``sum_c w_c f_c(x)`` (a difference of
+    two logits, a weighted combination of classes, a generated sample's values)
+    without wrapping the module: its scores are that sum of the per-output scores,
+    and a one-hot ``w`` is the int output. A regressor's outputs are in the units
+    of ``y``, as an int output's (each times its ``normalize_y`` scale): ``w``
+    weighs the predictions. A list or array is always weights, never output
+    indices: ``output=[0, 1]`` on two outputs is output 1, and on one output (a
+    binary classifier's single logit, ``n_outputs_ = 1``) ``[1]`` is that output and
+    ``[0]``, all zero, is refused. Weights of another shape, all zero, complex, NaN or
+    infinite ones, are refused with a ``ValueError``. ${output_default}
 n_nodes : int, default=None
     Quadrature nodes per step for "exact", see :meth:`decompose`; ignored by the
     other methods.
@@ -257,8 +268,10 @@ labels: see the user guide's "Self-influence" section before cleaning data with 
 
 Parameters
 ----------
-output : "margin" or int, default=None
-    As in :meth:`attribute`.
+output : "margin", int or array-like of float, default=None
+    As in :meth:`attribute`; the queries are the training points, so output
+    weights are of shape (n_outputs,) or (n_train, n_outputs), one row per row of
+    ``X_fit_``.
 n_jobs : int, default=None
     Query blocks on joblib workers.
 

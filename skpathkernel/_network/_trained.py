@@ -53,11 +53,13 @@ from .._path._storage import TrajectoryFileError
 from .._path._training import (
     RECORDED_ADVICE,
     check_modes_now,
+    draws_in_training,
     warn_drawing_now,
     warn_drawn,
     warn_random_forward,
 )
 from .._path._trajectory import Trajectory
+from .._tangent import warn_on_fallback
 from .._validation import check_flag, check_memory_budget, is_option
 from .._warnings import VersionedStateMixin, caller_stacklevel
 from ._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
@@ -455,8 +457,13 @@ class TrainedNetwork(VersionedStateMixin):
             if self.__dict__.pop("_probe_draws", False):
                 # A recorded loop's network without training inputs (the one-point route
                 # of a pretrained model): its first analysis's inputs are the first it has
-                # for the probe that X_train gets at as_network (see _recorded_network).
-                warn_random_forward(self.module, self.tensor(X[:64]), advice=RECORDED_ADVICE)
+                # for the probes that X_train gets at as_network (see _recorded_network):
+                # the random draws', then the fallback's, which the estimators' fit and a
+                # loop with X_train warn of and this one reached without a word.
+                x = self.tensor(X[:64])
+                drawn = warn_random_forward(self.module, x, advice=RECORDED_ADVICE)
+                if not (drawn or draws_in_training(self.module)):
+                    warn_on_fallback(self.module, x)
 
     def _takes_as_is(self, X) -> bool:
         """Whether ``check_input`` would return ``X`` itself, unchanged and unrefused.
@@ -754,7 +761,7 @@ ValueError
             raise ValueError("y holds the queries' classes, which only output='margin' "
                              "reads: pass output='margin' to explain their margins, or "
                              "leave y out to explain output 0.")
-        output = check_output(output, n_outputs, margin, also)
+        output = check_output(output, n_outputs, margin, also, n_queries=len(prediction))
         if encode is None:
             def encode(y):
                 if multilabel:
@@ -762,8 +769,9 @@ ValueError
                 return class_indices(y, max(n_outputs, 2))
         # A classifier's labels given with another output explain nothing, but are still
         # checked (one per query, of the fitted classes): a wrong y is a mistake either way.
+        is_margin = isinstance(output, str)  # checked: "margin", an int or weights
         codes = (query_codes(prediction, y, encode, multilabel)
-                 if output == "margin" or (y is not None and margin == "default") else None)
+                 if is_margin or (y is not None and margin == "default") else None)
         weights = output_weights(output, prediction, codes)
         if scale is not None:
             weights = weights * np.asarray(scale, dtype=np.float64).reshape(-1)
@@ -891,8 +899,9 @@ ValueError
             Training points per query, largest contribution first.
         method : {"exact", "first_order", "second_order"}, default="exact"
             The decomposition's method (see :meth:`decompose`).
-        output : "margin", int or "all", default=None
-            The scalar output explained (as in :meth:`attribute`), or "all" outputs.
+        output : "margin", int, array-like of float or "all", default=None
+            The scalar output explained (as in :meth:`attribute`: a class's margin, an
+            output column or the outputs' weighted sum), or "all" outputs.
         n_jobs : int, default=None
             Query blocks on joblib workers, as in :meth:`decompose`.
         margin : {"allowed", "default", "no"}, default="allowed"
@@ -950,9 +959,10 @@ ValueError
         multilabel = self.multilabel if multilabel is None else multilabel
         X_fit, Y_fit = self._training_data()
         prediction = self.outputs(X_fit)
-        output = check_output(output, prediction.shape[1], margin)
+        output = check_output(output, prediction.shape[1], margin,
+                              n_queries=len(prediction))
         codes = (_target_codes(self.y_fit, multilabel, self.loss.name)
-                 if output == "margin" else None)
+                 if isinstance(output, str) else None)
         weights = output_weights(output, prediction, codes)
         if scale is not None:
             weights = weights * np.asarray(scale, dtype=np.float64).reshape(-1)

@@ -2055,11 +2055,12 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, VersionedStat
             of training samples).
         method : {"exact", "first_order", "second_order"}, default="exact"
             How the contributions are computed, as in :meth:`decompose`.
-        output : "margin", int or "all", default=None
+        output : "margin", int, array-like of float or "all", default=None
             The output explained. None: output 0 of a single-output network (several
             outputs need a choice). "margin" explains the largest output's margin (the
             positive outputs' for a multilabel loss), as :meth:`attribute` does with
-            ``y=None``.
+            ``y=None``; output weights explain the outputs' weighted sum, as in
+            :meth:`attribute`.
         n_jobs : int, default=None
             Query blocks on joblib workers, as in :meth:`decompose`.
 

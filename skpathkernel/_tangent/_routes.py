@@ -282,7 +282,8 @@ def warn_on_fallback(module: nn.Module, X, *, share: float = FALLBACK_SHARE) -> 
 
     Called once per fit by the estimators, on their training inputs, and where a recorded
     loop's network is built with its training inputs (``PathRecorder.as_network``,
-    ``RecordedNetwork``), on 64 of them. It never makes a fit fail: a network the capture
+    ``RecordedNetwork``), on 64 of them; without them, on 64 of its first analysis's
+    inputs. It never makes a fit fail: a network the capture
     cannot run on is left for the kernel computations to refuse with their own errors.
     """
     try:

@@ -460,8 +460,9 @@ def test_float32_contribution_error_counts_the_round_off(tmp_path):
     """On a float32 path a contribution's error is mostly the round-off of the float32
     factors its shares are computed from, which the two rules' difference does not
     measure. On converged full-batch Adam two training points' own contributions miss
-    the float64 reference of the same recorded path by more than 1e-6 * S (measured
-    1.1x), which the difference read at 0.014 of it, unwarned: contribution_error is now
+    the float64 reference of the same recorded path by about 1e-6 * S (measured 1.1x on
+    an Intel Xeon, 0.48x on an AMD EPYC: the round-off depends on the CPU's kernels),
+    which the difference read at 0.014 of it, unwarned: contribution_error is now
     at least the true error, and tol=1e-6, asked for explicitly, is warned of with
     float64 as the fix. With tol=None it is checked at float32's round-off floor,
     1e-5 * S, which the true error is under: no warning."""
@@ -477,7 +478,8 @@ def test_float32_contribution_error_counts_the_round_off(tmp_path):
         res = est.decompose(Xq)
     true = np.abs(res.contributions - ref).max()
     assert np.abs(ref).max() > 2 * np.abs(res.prediction).max()  # the shares cancel
-    assert 1e-6 * S < true < 1e-5 * S
+    # The round-off is of the order of 1e-6 * S on every CPU seen, not above it on all.
+    assert 1e-7 * S < true < 1e-5 * S
     for r in (strict, res):
         assert true <= r.contribution_error <= 30 * true
     assert (strict.contribution_tol, res.contribution_tol) == (1e-6, 1e-5)

@@ -290,6 +290,49 @@ def test_a_packed_sequence_without_its_samples_order_falls_back_exactly(cell):
     assert _routes(net, X[:1])[type(net.rnn).__name__] == ("rule", "")
 
 
+class _SortedThenPackedUnsorted(_SortedByTheForward):
+    """:class:`_SortedByTheForward` packed with ``enforce_sorted=False``: the packed
+    sequence's own order is then the identity (its rows came sorted), so it says nothing
+    of the forward's sort; only the autograd check of the rows can see it."""
+
+    def forward(self, x):
+        lengths = x[:, :, -1].sum(1).long()
+        lengths, order = torch.sort(lengths, descending=True, stable=True)
+        seq = pack_padded_sequence(x[order, :, :E], lengths.cpu(), batch_first=True,
+                                   enforce_sorted=False)
+        state = self.rnn(seq)[1]
+        back = torch.empty_like(order)
+        back[order] = torch.arange(len(order))
+        return self.out((state[0] if isinstance(state, tuple) else state)[-1][back])
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_a_batch_sorted_by_length_then_packed_unsorted_falls_back_exactly(cell):
+    # The first two samples already sorted: the two-row autograd check saw no
+    # reordering, the rule took the sorted rows for the samples (Gram off by 27%).
+    torch.manual_seed(1)
+    net = _SortedThenPackedUnsorted(cell).double().eval()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    X = _padded([6, 5, 1, 3, 2, 6, 4])
+    J = jacobian_loop(net, X)
+    _close(tangent_gram(net, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+    route, reason = _routes(net, X)[type(net.rnn).__name__]
+    assert route == "fallback" and "reorders or mixes the samples" in reason, reason
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_packed_sequences_sorted_by_torch_keep_their_rule(cell):
+    # No false alarm: torch's own sort of enforce_sorted=False, whatever order the first
+    # samples come in (ascending here, the reverse of the packed order).
+    torch.manual_seed(0)
+    net = _Packed(cell, False).double().eval()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    X = _padded([1, 3, 6, 2, 5, 4])
+    J = jacobian_loop(net, X)
+    assert _routes(net, X)[type(net.rnn).__name__] == ("rule", "")
+    _close(tangent_gram(net, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+
+
 class _Seq2Seq(nn.Module):
     """An encoder whose initial state is computed from the input, its final ``(h_n, c_n)``
     (both directions, both layers, the cell state too) read into the output, and a decoder

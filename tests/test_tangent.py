@@ -1134,7 +1134,7 @@ def _bias_left_out():
 
 @pytest.mark.parametrize("make, routed, numerical_check", [
     (_ConstantInput, "film.weight", False),  # the watch's row check alone
-    (_Flipped, "l1.weight", True),  # only the two-row autograd check sees a swap
+    (_Flipped, "l1.weight", True),  # only the autograd check of the rows sees a swap
     (_bias_left_out, "l1.weight", False),  # the own call must take every parameter
 ])
 def test_rows_that_are_not_the_samples_and_partial_own_calls(make, routed, numerical_check,
@@ -1150,6 +1150,91 @@ def test_batched_autograd_check_sees_what_the_loop_sees(make, batched_backprops,
     # a hidden read on one output, and swapped rows, still send l1 to the fallback.
     assert "l1.weight" in _routing_against_loop(make, True, monkeypatch)
     assert batched_backprops and all(g is not None for g in batched_backprops)
+
+
+class _SortedByScore(nn.Module):
+    """The batch sorted by a score of the data before l1 and put back in the samples'
+    order after it: per sample the same function, but l1's rows are the samples sorted."""
+
+    def __init__(self, descending):
+        super().__init__()
+        self.descending = descending
+        self.l1 = nn.Linear(3, 4)
+        self.l2 = nn.Linear(4, 2)
+
+    def forward(self, x):
+        order = torch.sort(x[:, 0], descending=self.descending, stable=True).indices
+        back = torch.empty_like(order)
+        back[order] = torch.arange(len(order))
+        return self.l2(torch.tanh(self.l1(x[order])[back]))
+
+
+@pytest.mark.parametrize("descending", [True, False])
+def test_a_batch_sorted_by_the_data_before_a_layer_falls_back_exactly(descending):
+    # The first samples already in the sort's order: the two-row autograd check saw no
+    # reordering, l1 kept its rule, and the Gram paired sorted rows with the samples. The check's cycle of rows x0, x1, x2, x0
+    # is in no sorted order, so the sort moves one of them.
+    torch.manual_seed(0)
+    module = _SortedByScore(descending).double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = torch.randn(9, 3, dtype=torch.float64)
+    score = torch.tensor([9, 8, 7, 1, 5, 3, 6, 2, 4])
+    X[:, 0] = (score if descending else 10 - score).to(X.dtype)
+    J = _loop_jacobian(module, params, X)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+    _close(tangent_gram(module, params, X, output="trace"),
+           torch.einsum("ncp,mcp->nm", J, J) / 2)
+    _close(tangent_features(module, params, X, output="full"), J)
+    routes = {r.name: r for r in layer_routes(module, X)}
+    assert routes["l1"].route == "fallback", routes["l1"]
+    assert "reorders or mixes the samples" in routes["l1"].reason, routes["l1"].reason
+    # Only the layer between the sort and the unsort: l2's rows are the samples.
+    assert routes["l2"].route == "rule", routes["l2"]
+    # The paths' route (hidden_reads once, then check_hidden=False) routes alike.
+    exclude = _tangent.hidden_reads(module, [params], [X], output="full")
+    assert "l1.weight" in exclude and "l2.weight" not in exclude
+    _close(tangent_gram(module, params, X, output="full", exclude=exclude, check_hidden=False),
+           torch.einsum("ncp,mdp->ncmd", J, J))
+
+
+class _Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.enc(x).mean(1))
+
+
+def _small_cnn():
+    return nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.Conv2d(3, 4, 3, stride=2),
+                         nn.Tanh(), nn.Flatten(), nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("make, shape", [
+    (lambda: _mlp(3), (3,)),
+    (_small_cnn, (1, 8, 8)),
+    (lambda: _Encoder().eval(), (5, 8)),
+])
+def test_the_reordering_check_keeps_per_sample_networks_on_their_rules(make, shape):
+    # No false alarm: the check's repeated row and its weights agree with autograd
+    # wherever the rows are the samples (an MLP, a CNN, a transformer encoder layer).
+    torch.manual_seed(0)
+    module = make().double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = torch.randn(6, *shape, dtype=torch.float64)
+    assert all(r.route == "rule" for r in layer_routes(module, X)), layer_routes(module, X)
+    assert not _gram._prepare(module, params, X, "full", 2**24)[3].fallback
+    J = _loop_jacobian(module, params, X)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+
+
+def test_check_rows_close_a_cycle_of_the_first_samples():
+    X = torch.arange(5.0)[:, None]
+    assert _capture.check_rows(X).flatten().tolist() == [0, 1, 2, 0]
+    assert _capture.check_rows(X[:2]).flatten().tolist() == [0, 1, 0]
+    assert _capture.check_rows(X[:1]).flatten().tolist() == [0]
 
 
 class _HostSquare(torch.autograd.Function):

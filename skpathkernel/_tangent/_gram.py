@@ -395,6 +395,7 @@ from ._capture import (
     _numerical_misfits,
     capture,
     check_per_sample,
+    check_rows,
     forward,
     plain_cnn_capture,
     value_dtype,
@@ -1145,14 +1146,15 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
     outputs, mode = _resolve_output(output, n_outputs)
     # The first sample's factors give the per-row size of every block's factors, and the
     # capture finds the parameters read outside their layer (every block's capture
-    # checks again, see _consistent_routing); the autograd check on the first two
-    # samples covers reads that torch functions do not see, and reordered rows.
+    # checks again, see _consistent_routing); the autograd check on the first three
+    # samples and the first again (check_rows) covers reads that torch functions do not
+    # see, and rows reordered by the data (a sort of the batch before a layer).
     # The sites' outputs handed on uncopied, as the chunks hand them on (:class:`_Blocks`,
     # capture's ``copy_sites``; copied where one is rewritten in place, here as there):
     # the graph's bytes (:func:`_kept_forward_groups`) are then those a kept forward pass
     # of the chunks holds, not those of a pass holding a copy of every site's output
     # besides (13% more on the ViT row, which then lost the kept plan).
-    rows = X[:2] if check_hidden else X[:1]
+    rows = check_rows(X) if check_hidden else X[:1]
     probe = capture(module, params, rows, outputs, memory_budget=memory_budget,
                     exclude=exclude, index=True, measure_graph=True, copy_sites=False,
                     fold_bn=True)

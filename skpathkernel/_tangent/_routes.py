@@ -21,7 +21,7 @@ from torch.nn.utils import parametrize
 from .._modules import copy_module, runs_module
 from .._path._training import drawing_layers
 from .._warnings import caller_stacklevel, worst
-from ._capture import _numerical_misfits, capture, check_per_sample, forward
+from ._capture import _numerical_misfits, capture, check_per_sample, check_rows, forward
 from ._generic import _looped, unbatched
 from ._gram import DEFAULT_MEMORY_BUDGET, _resolve_output, tangent_features, tangent_gram
 from ._rules import RULES, overridden, registered_ancestor, rule_for
@@ -36,8 +36,10 @@ FALLBACK_SHARE = 0.1
 LOOPS = ("torch.func cannot batch this network's forward, so the fallback differentiates "
          "it one sample and output at a time, a backward pass of the whole network each, "
          "however few parameters it holds")
-DISAGREE = ("its factors disagree with autograd on the first samples (a wrong rule, or a "
-            "parameter read where torch functions do not see it)")
+DISAGREE = ("its factors disagree with autograd on the first samples (a wrong rule, a "
+            "parameter read where torch functions do not see it, or a forward pass that "
+            "reorders or mixes the samples before the layer, such as a sort of the batch "
+            "by the data)")
 
 
 class FallbackWarning(UserWarning):
@@ -218,7 +220,7 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
     if params is None:
         params = {k: v.detach() for k, v in module.named_parameters() if v.requires_grad}
     params = dict(params)
-    X = _as_input(module, X)[:2]
+    X = check_rows(_as_input(module, X))
     check_per_sample(module)
     outputs, _ = _resolve_output(output, forward(module, params, X[:1]).shape[1])
     cap = capture(module, params, X, outputs, memory_budget=DEFAULT_MEMORY_BUDGET,

@@ -760,7 +760,7 @@ class _TiedDeclined(nn.Module):
         super().__init__()
         self.a, self.b, self.c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 1)
         self.b.weight = self.a.weight
-        self.register_buffer("const", torch.randn(4, 3))  # not 2 rows, as layer_routes takes
+        self.register_buffer("const", torch.randn(5, 3))  # not 4 rows, as layer_routes takes
 
     def forward(self, x):
         return self.c(torch.tanh(self.a(x)) + self.b(self.const).sum(0))
@@ -1026,7 +1026,7 @@ def _routing_against_loop(make, numerical_check, monkeypatch):
     ``numerical_check=False`` leaves the use watch alone (no autograd check).
     """
     if not numerical_check:
-        monkeypatch.setattr(_gram, "_numerical_misfits", lambda *a: frozenset())
+        monkeypatch.setattr(_capture, "_numerical_misfits", lambda *a: frozenset())
     torch.manual_seed(0)
     module = make().double()
     params = {k: v.detach() + 0.1 for k, v in module.named_parameters()}
@@ -1172,8 +1172,10 @@ class _SortedByScore(nn.Module):
 @pytest.mark.parametrize("descending", [True, False])
 def test_a_batch_sorted_by_the_data_before_a_layer_falls_back_exactly(descending):
     # The first samples already in the sort's order: the two-row autograd check saw no
-    # reordering, l1 kept its rule, and the Gram paired sorted rows with the samples. The check's cycle of rows x0, x1, x2, x0
-    # is in no sorted order, so the sort moves one of them.
+    # reordering, l1 kept its rule, and the Gram paired sorted rows with the samples
+    # (42-58% off). The check's cycle of rows x0, x1, x2, x0 is in no sorted order, so
+    # the sort moves one of them; so do its pairs, checked one at a time where the rows
+    # are wide for the budget (test_the_reordering_check_in_pairs_sees_a_sort).
     torch.manual_seed(0)
     module = _SortedByScore(descending).double()
     params = {k: v.detach() for k, v in module.named_parameters()}
@@ -1232,9 +1234,36 @@ def test_the_reordering_check_keeps_per_sample_networks_on_their_rules(make, sha
 
 def test_check_rows_close_a_cycle_of_the_first_samples():
     X = torch.arange(5.0)[:, None]
-    assert _capture.check_rows(X).flatten().tolist() == [0, 1, 2, 0]
-    assert _capture.check_rows(X[:2]).flatten().tolist() == [0, 1, 0]
-    assert _capture.check_rows(X[:1]).flatten().tolist() == [0]
+
+    def rows(X, budget=2**20):
+        return [g.flatten().tolist() for g in _capture.check_rows(X, budget)]
+
+    assert rows(X) == [[0, 1, 2, 0]]
+    assert rows(X[:2]) == [[0, 1, 0]]
+    assert rows(X[:1]) == [[0]]
+    # Rows too wide for the budget: the cycle's pairs, two rows at a time.
+    assert rows(X, 64) == [[0, 1], [1, 2], [2, 0]]
+    assert rows(X[:2], 64) == [[0, 1], [1, 0]]
+
+
+@pytest.mark.parametrize("descending", [True, False])
+def test_the_reordering_check_in_pairs_sees_a_sort(descending, monkeypatch):
+    # Rows too wide for the cycle's copies in the budget (made so by counting a billion
+    # copies): the pairs, each captured and checked alone, still send l1 to the fallback
+    # (and the Gram is exact).
+    monkeypatch.setattr(_capture, "_CHECK_COPIES", 10**9)
+    torch.manual_seed(0)
+    module = _SortedByScore(descending).double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = torch.randn(9, 3, dtype=torch.float64)
+    score = torch.tensor([9, 8, 7, 1, 5, 3, 6, 2, 4])
+    X[:, 0] = (score if descending else 10 - score).to(X.dtype)
+    budget = 2**20
+    assert len(_capture.check_rows(X, budget)) == 3
+    assert "l1.weight" in _gram._prepare(module, params, X, "full", budget)[3].fallback
+    J = _loop_jacobian(module, params, X)
+    _close(tangent_gram(module, params, X, output="full", memory_budget=budget),
+           torch.einsum("ncp,mdp->ncmd", J, J))
 
 
 class _HostSquare(torch.autograd.Function):

@@ -73,7 +73,8 @@ from ._saved import SavedWatch, differentiable_forward
 from ._saved import tensors as _tensors
 
 __all__ = ["Capture", "capture", "check_functional_lookups", "check_lookups",
-           "check_per_sample", "check_rows", "forward", "plain_cnn_capture", "value_dtype"]
+           "check_per_sample", "check_rows", "checked_misfits", "forward",
+           "plain_cnn_capture", "value_dtype"]
 
 # Why a rule layer's parameters went to the fallback (reported by layer_routes).
 READ_OUTSIDE = "a parameter is read outside the layer's own call"
@@ -1432,22 +1433,46 @@ def _batch_check_bytes(cap: Capture, wrt: Sequence[torch.Tensor], n_out: int) ->
 
 #: Distinct samples the autograd check takes (:func:`check_rows`).
 CHECK_SAMPLES = 3
+#: Copies of its rows that the check holds at once: the rows, the forward pass's copy,
+#: the check's own and their gradient.
+_CHECK_COPIES = 4
 
 
-def check_rows(X: torch.Tensor) -> torch.Tensor:
-    """The rows :func:`_numerical_misfits` checks: the first ``CHECK_SAMPLES`` samples of
-    ``X``, then its first sample again (``x0, x1, x2, x0``; ``x0, x1, x0`` for two).
-
-    The check weights its rows 1, 2, ... (see there), so it sees a forward pass that
-    reorders the rows before a rule layer wherever the reordering moves a row of the
-    check. A closed cycle of rows is in no monotone order unless its samples' keys tie:
-    a sort of the batch by the data (by length before a packed RNN, by a score before a
-    Linear), ascending or descending, moves one of its rows unless the three samples tie
-    on the key (two identical rows swapped give the same factors: nothing to see there).
+def check_rows(X: torch.Tensor, memory_budget: int) -> list[torch.Tensor]:
+    """The groups of rows :func:`_numerical_misfits` checks, each with a capture of its
+    own: a cycle of the first ``CHECK_SAMPLES`` samples of ``X`` and the first again
+    (``x0, x1, x2, x0``; ``x0, x1, x0`` for two), or, where its copies of the rows do not
+    fit an eighth of ``memory_budget`` (wide inputs: the probe of a batch of two used to
+    be the call's peak with a small budget), the cycle's pairs ``(x0, x1), (x1, x2),
+    (x2, x0)`` one at a time (the probe's memory of two rows, three captures and checks).
     One sample is taken alone.
+
+    The check weights each group's rows 1, 2, ... (see there), so it sees a forward pass
+    that reorders the rows before a rule layer wherever the reordering moves a row of a
+    group. A closed cycle is in no monotone order unless its keys tie: a sort of the
+    batch by the data (by length before a packed RNN, by a score before a Linear),
+    ascending or descending, moves a row of the cycle (or swaps a pair) unless the three
+    samples tie on its key; two identical rows swapped give the same factors, so the
+    cycle's repeated row is never a false alarm.
     """
     k = min(CHECK_SAMPLES, X.shape[0])
-    return X[:1] if k < 2 else torch.cat([X[:k], X[:1]])
+    if k < 2:
+        return [X[:1]]
+    if _CHECK_COPIES * (k + 1) * X[0].numel() * X.element_size() <= memory_budget // 8:
+        return [torch.cat([X[:k], X[:1]])]
+    return [X[:2]] + [X[i:i + 2] if i + 2 <= k else X[[i, (i + 1) % k]]
+                      for i in range(1, k)]
+
+
+def checked_misfits(module, params, groups, cap, outputs, batch_bytes=0, **capture_kw):
+    """:func:`_numerical_misfits` over every group of :func:`check_rows` (``cap`` the
+    capture of the first; the others captured here with ``capture_kw``, excluding what
+    ``cap`` excludes): the parameters to send to the fallback."""
+    bad = _numerical_misfits(module, params, groups[0], cap, outputs, batch_bytes)
+    for rows in groups[1:]:
+        more = capture(module, params, rows, outputs, exclude=cap.exclude, **capture_kw)
+        bad |= _numerical_misfits(module, params, rows, more, outputs, batch_bytes)
+    return bad
 
 
 def _numerical_misfits(
@@ -1471,12 +1496,12 @@ def _numerical_misfits(
     taking ``self.lin.weight`` in a parent's ``forward``), and rows reordered or mixed
     before a layer (``x.flip(0)``, ``x[x[:, 0].argsort()]`` undone after the layer),
     which break the row-per-sample alignment of the factors. One backward pass per
-    output over the rows of ``x`` (:func:`check_rows`' cycle, so that a sort shows;
+    output over the rows of ``x`` (a group of :func:`check_rows`, so that a sort shows;
     ``cap`` is their capture) catches these unless their gradient vanishes there; the
     parameters returned here must go to the fallback. It cannot see a reordering that
-    leaves its rows in place: one that happens only in larger batches
-    (``if len(x) > 8``), or one among rows past the checked ones (a sort whose key ties
-    on the checked samples), which then goes unseen in the blocks' Grams.
+    leaves the checked rows in place: one that happens only in larger batches
+    (``if len(x) > 8``), a sort whose key ties on the checked samples, or one that moves
+    only rows past them; the layer then keeps its rule and its Gram is wrong.
     """
     covered = [name for term in cap.terms for name, _ in term.inputs
                if name not in cap.fallback]

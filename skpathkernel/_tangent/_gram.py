@@ -392,10 +392,10 @@ from .._memory import large_tensor, rows_per_block
 from .._modules import module_lock
 from ._capture import (
     Capture,
-    _numerical_misfits,
     capture,
     check_per_sample,
     check_rows,
+    checked_misfits,
     forward,
     plain_cnn_capture,
     value_dtype,
@@ -1154,15 +1154,17 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
     # the graph's bytes (:func:`_kept_forward_groups`) are then those a kept forward pass
     # of the chunks holds, not those of a pass holding a copy of every site's output
     # besides (13% more on the ViT row, which then lost the kept plan).
-    rows = check_rows(X) if check_hidden else X[:1]
+    groups = check_rows(X, memory_budget) if check_hidden else [X[:1]]
+    rows = groups[0]
     probe = capture(module, params, rows, outputs, memory_budget=memory_budget,
                     exclude=exclude, index=True, measure_graph=True, copy_sites=False,
                     fold_bn=True)
     # The check's batched pass over the outputs in the eighth of the budget that
     # captures take (session s53).
-    hidden = _numerical_misfits(module, params, rows, probe, outputs,
-                                memory_budget // 8 if BATCHED_CHECK else 0) if check_hidden \
-        else frozenset()
+    hidden = checked_misfits(module, params, groups, probe, outputs,
+                             memory_budget // 8 if BATCHED_CHECK else 0,
+                             memory_budget=memory_budget, index=True, copy_sites=False,
+                             fold_bn=True) if check_hidden else frozenset()
     if hidden:
         rows = X[:1]
         probe = capture(module, params, rows, outputs, memory_budget=memory_budget,

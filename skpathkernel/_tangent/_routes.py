@@ -21,7 +21,7 @@ from torch.nn.utils import parametrize
 from .._modules import copy_module, runs_module
 from .._path._training import drawing_layers
 from .._warnings import caller_stacklevel, worst
-from ._capture import _numerical_misfits, capture, check_per_sample, check_rows, forward
+from ._capture import capture, check_per_sample, check_rows, checked_misfits, forward
 from ._generic import _looped, unbatched
 from ._gram import DEFAULT_MEMORY_BUDGET, _resolve_output, tangent_features, tangent_gram
 from ._rules import RULES, overridden, registered_ancestor, rule_for
@@ -220,13 +220,15 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
     if params is None:
         params = {k: v.detach() for k, v in module.named_parameters() if v.requires_grad}
     params = dict(params)
-    X = check_rows(_as_input(module, X))
+    groups = check_rows(_as_input(module, X), DEFAULT_MEMORY_BUDGET)
+    X = groups[0]
     check_per_sample(module)
     outputs, _ = _resolve_output(output, forward(module, params, X[:1]).shape[1])
     cap = capture(module, params, X, outputs, memory_budget=DEFAULT_MEMORY_BUDGET,
                   dense_fallback=False)
     reasons = dict(cap.reasons)
-    hidden = _numerical_misfits(module, params, X, cap, outputs)
+    hidden = checked_misfits(module, params, groups, cap, outputs,
+                             memory_budget=DEFAULT_MEMORY_BUDGET, dense_fallback=False)
     if hidden:
         cap = capture(module, params, X, outputs, memory_budget=DEFAULT_MEMORY_BUDGET,
                       exclude=cap.exclude | hidden, dense_fallback=False)

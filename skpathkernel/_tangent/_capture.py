@@ -73,7 +73,7 @@ from ._saved import SavedWatch, differentiable_forward
 from ._saved import tensors as _tensors
 
 __all__ = ["Capture", "capture", "check_functional_lookups", "check_lookups",
-           "check_per_sample", "check_rows", "checked_misfits", "forward",
+           "check_per_sample", "check_rows", "checked_capture", "forward",
            "plain_cnn_capture", "value_dtype"]
 
 # Why a rule layer's parameters went to the fallback (reported by layer_routes).
@@ -1464,15 +1464,36 @@ def check_rows(X: torch.Tensor, memory_budget: int) -> list[torch.Tensor]:
                       for i in range(1, k)]
 
 
-def checked_misfits(module, params, groups, cap, outputs, batch_bytes=0, **capture_kw):
-    """:func:`_numerical_misfits` over every group of :func:`check_rows` (``cap`` the
-    capture of the first; the others captured here with ``capture_kw``, excluding what
-    ``cap`` excludes): the parameters to send to the fallback."""
+def checked_capture(module, params, X, outputs, *, memory_budget, batch_bytes=0,
+                    **capture_kw):
+    """The probe capture of the first group of :func:`check_rows` and the parameters that
+    :func:`_numerical_misfits` sends to the fallback over every group: ``(rows, cap,
+    misfits)``, ``cap`` the capture of ``rows`` (the other groups captured too, alike).
+
+    A network that refuses the check's rows out of ``X``'s order (one that needs its batch
+    sorted: ``pack_padded_sequence`` with ``enforce_sorted=True`` raises on the cycle) is
+    checked on its first two samples in ``X``'s order instead, as before session s54: it
+    cannot reorder a batch it requires sorted, and an error of its own raises there again.
+    """
+    try:
+        return _checked(module, params, check_rows(X, memory_budget), outputs,
+                        memory_budget, batch_bytes, capture_kw)
+    except Exception:
+        if X.shape[0] < 2:
+            raise
+    return _checked(module, params, [X[:2]], outputs, memory_budget, batch_bytes, capture_kw)
+
+
+def _checked(module, params, groups, outputs, memory_budget, batch_bytes, capture_kw):
+    cap = capture(module, params, groups[0], outputs, memory_budget=memory_budget,
+                  **capture_kw)
     bad = _numerical_misfits(module, params, groups[0], cap, outputs, batch_bytes)
+    others = {k: v for k, v in capture_kw.items() if k not in ("exclude", "measure_graph")}
     for rows in groups[1:]:
-        more = capture(module, params, rows, outputs, exclude=cap.exclude, **capture_kw)
+        more = capture(module, params, rows, outputs, memory_budget=memory_budget,
+                       exclude=cap.exclude, **others)
         bad |= _numerical_misfits(module, params, rows, more, outputs, batch_bytes)
-    return bad
+    return groups[0], cap, bad
 
 
 def _numerical_misfits(

@@ -394,8 +394,7 @@ from ._capture import (
     Capture,
     capture,
     check_per_sample,
-    check_rows,
-    checked_misfits,
+    checked_capture,
     forward,
     plain_cnn_capture,
     value_dtype,
@@ -443,7 +442,7 @@ ADD_ROWS = 256
 #: Whether a symmetric "full" block of dense rows takes the SYRK of its ``(n C, n C)``
 #: square and the other blocks one GEMM into theirs (session s53; the A/B's switch).
 FULL_SYRK = True
-#: Whether the one-sample autograd check is one batched backward pass over the outputs
+#: Whether the autograd check of the first samples is one batched backward pass over the outputs
 #: where it fits an eighth of the budget (session s53; the A/B's switch).
 BATCHED_CHECK = True
 
@@ -1154,17 +1153,16 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
     # the graph's bytes (:func:`_kept_forward_groups`) are then those a kept forward pass
     # of the chunks holds, not those of a pass holding a copy of every site's output
     # besides (13% more on the ViT row, which then lost the kept plan).
-    groups = check_rows(X, memory_budget) if check_hidden else [X[:1]]
-    rows = groups[0]
-    probe = capture(module, params, rows, outputs, memory_budget=memory_budget,
-                    exclude=exclude, index=True, measure_graph=True, copy_sites=False,
-                    fold_bn=True)
-    # The check's batched pass over the outputs in the eighth of the budget that
-    # captures take (session s53).
-    hidden = checked_misfits(module, params, groups, probe, outputs,
-                             memory_budget // 8 if BATCHED_CHECK else 0,
-                             memory_budget=memory_budget, index=True, copy_sites=False,
-                             fold_bn=True) if check_hidden else frozenset()
+    kw = dict(exclude=exclude, index=True, measure_graph=True, copy_sites=False, fold_bn=True)
+    if check_hidden:
+        # The check's batched pass over the outputs in the eighth of the budget that
+        # captures take (session s53).
+        rows, probe, hidden = checked_capture(
+            module, params, X, outputs, memory_budget=memory_budget,
+            batch_bytes=memory_budget // 8 if BATCHED_CHECK else 0, **kw)
+    else:
+        rows, hidden = X[:1], frozenset()
+        probe = capture(module, params, rows, outputs, memory_budget=memory_budget, **kw)
     if hidden:
         rows = X[:1]
         probe = capture(module, params, rows, outputs, memory_budget=memory_budget,
@@ -1190,9 +1188,9 @@ def hidden_reads(
 ) -> frozenset[str]:
     """Parameters to route to the fallback, checked at several points and samples.
 
-    Runs the use watch and the one-sample autograd check (see :func:`tangent_gram`'s
-    ``check_hidden``) at every parameter point in ``points`` for the first row of each
-    tensor in ``rows``. A path kernel or a decomposition checks the first, middle and
+    Runs the use watch and the autograd check of the first samples (see
+    :func:`tangent_gram`'s ``check_hidden``) at every parameter point in ``points`` for
+    each tensor in ``rows``. A path kernel or a decomposition checks the first, middle and
     last points of its path once, then calls the engine with ``exclude=`` this set and
     ``check_hidden=False`` at every step; the use watch still runs in every capture.
     """
@@ -1326,9 +1324,11 @@ def tangent_gram(
         Parameters whose layers must use the generic fallback. Layers with a parameter
         read outside their own call are found by every capture and added to these.
     check_hidden : bool, default=True
-        Run the one-sample autograd check for reads that torch functions do not see
-        (TorchScript, C++ extensions). A caller evaluating many points of one path runs
-        it once with :func:`hidden_reads` and passes the result as ``exclude``.
+        Run the autograd check of the first samples (:func:`._capture.check_rows`) for
+        reads that torch functions do not see (TorchScript, C++ extensions) and for a
+        forward pass that reorders the samples before a rule layer. A caller evaluating
+        many points of one path runs it once with :func:`hidden_reads` and passes the
+        result as ``exclude``.
     out_dtype : torch.dtype, default=None
         The dtype of the returned Gram; ``None``: the computation's. A wider one (float64
         for a float32 network) equals the Gram converted afterwards, bit for bit, without
@@ -1948,9 +1948,11 @@ def tangent_gram_diag(
         Parameters whose layers must use the generic fallback. Layers with a parameter
         read outside their own call are found by every capture and added to these.
     check_hidden : bool, default=True
-        Run the one-sample autograd check for reads that torch functions do not see
-        (TorchScript, C++ extensions). A caller evaluating many points of one path runs
-        it once with :func:`hidden_reads` and passes the result as ``exclude``.
+        Run the autograd check of the first samples (:func:`._capture.check_rows`) for
+        reads that torch functions do not see (TorchScript, C++ extensions) and for a
+        forward pass that reorders the samples before a rule layer. A caller evaluating
+        many points of one path runs it once with :func:`hidden_reads` and passes the
+        result as ``exclude``.
 
     Returns
     -------
@@ -2085,9 +2087,11 @@ def tangent_features(
         Parameters whose layers must use the generic fallback. Layers with a parameter
         read outside their own call are found by every capture and added to these.
     check_hidden : bool, default=True
-        Run the one-sample autograd check for reads that torch functions do not see
-        (TorchScript, C++ extensions). A caller evaluating many points of one path runs
-        it once with :func:`hidden_reads` and passes the result as ``exclude``.
+        Run the autograd check of the first samples (:func:`._capture.check_rows`) for
+        reads that torch functions do not see (TorchScript, C++ extensions) and for a
+        forward pass that reorders the samples before a rule layer. A caller evaluating
+        many points of one path runs it once with :func:`hidden_reads` and passes the
+        result as ``exclude``.
     out : torch.Tensor of shape (n_samples, n_outputs_used, P), default=None
         Buffer for the ``(n, C, P)`` Jacobian (``C`` the outputs used): callers that need
         features at many points reuse one buffer instead of faulting in fresh memory.

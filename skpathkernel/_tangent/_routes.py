@@ -21,7 +21,7 @@ from torch.nn.utils import parametrize
 from .._modules import copy_module, runs_module
 from .._path._training import drawing_layers
 from .._warnings import caller_stacklevel, worst
-from ._capture import capture, check_per_sample, check_rows, checked_misfits, forward
+from ._capture import capture, check_per_sample, checked_capture, forward
 from ._generic import _looped, unbatched
 from ._gram import DEFAULT_MEMORY_BUDGET, _resolve_output, tangent_features, tangent_gram
 from ._rules import RULES, overridden, registered_ancestor, rule_for
@@ -184,8 +184,10 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
     """List each layer holding parameters with its route (rule or fallback) and size.
 
     Runs the capture of the structured engine (and its autograd check for reads that torch
-    functions do not see) on the first two samples of ``X``, so the routes are those every
-    kernel, feature and decomposition computation on such inputs takes.
+    functions do not see and for a forward pass that reorders the samples before a layer)
+    on the first samples of ``X`` (the cycle ``x0, x1, x2, x0`` of
+    :func:`._capture.check_rows`), so the routes are those every kernel, feature and
+    decomposition computation on such inputs takes.
 
     Parameters
     ----------
@@ -220,15 +222,12 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
     if params is None:
         params = {k: v.detach() for k, v in module.named_parameters() if v.requires_grad}
     params = dict(params)
-    groups = check_rows(_as_input(module, X), DEFAULT_MEMORY_BUDGET)
-    X = groups[0]
+    X = _as_input(module, X)
     check_per_sample(module)
     outputs, _ = _resolve_output(output, forward(module, params, X[:1]).shape[1])
-    cap = capture(module, params, X, outputs, memory_budget=DEFAULT_MEMORY_BUDGET,
-                  dense_fallback=False)
+    X, cap, hidden = checked_capture(module, params, X, outputs,
+                                     memory_budget=DEFAULT_MEMORY_BUDGET, dense_fallback=False)
     reasons = dict(cap.reasons)
-    hidden = checked_misfits(module, params, groups, cap, outputs,
-                             memory_budget=DEFAULT_MEMORY_BUDGET, dense_fallback=False)
     if hidden:
         cap = capture(module, params, X, outputs, memory_budget=DEFAULT_MEMORY_BUDGET,
                       exclude=cap.exclude | hidden, dense_fallback=False)

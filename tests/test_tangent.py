@@ -1236,11 +1236,15 @@ def test_check_rows_close_a_cycle_of_the_first_samples():
     X = torch.arange(5.0)[:, None]
 
     def rows(X, budget=2**20):
-        return [g.flatten().tolist() for g in _capture.check_rows(X, budget)]
+        return [g[:, 0].tolist() for g in _capture.check_rows(X, budget)]
 
     assert rows(X) == [[0, 1, 2, 0]]
     assert rows(X[:2]) == [[0, 1, 0]]
     assert rows(X[:1]) == [[0]]
+    # A cycle as long as no other axis of X (its rows then cannot pass for the steps of a
+    # time-major transpose of it): longer, still in no sorted order.
+    assert rows(X.expand(5, 4)) == [[0, 1, 2, 0, 1]]
+    assert rows(X[:2].expand(2, 3)) == [[0, 1, 0, 1]]
     # Rows too wide for the budget: the cycle's pairs, two rows at a time.
     assert rows(X, 64) == [[0, 1], [1, 2], [2, 0]]
     assert rows(X[:2], 64) == [[0, 1], [1, 0]]

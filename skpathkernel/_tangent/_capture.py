@@ -1441,7 +1441,8 @@ _CHECK_COPIES = 4
 def check_rows(X: torch.Tensor, memory_budget: int) -> list[torch.Tensor]:
     """The groups of rows :func:`_numerical_misfits` checks, each with a capture of its
     own: a cycle of the first ``CHECK_SAMPLES`` samples of ``X`` and the first again
-    (``x0, x1, x2, x0``; ``x0, x1, x0`` for two), or, where its copies of the rows do not
+    (``x0, x1, x2, x0``; ``x0, x1, x0`` for two; longer, ``x0, x1, x2, x0, x1``, where X
+    has an axis of that length), or, where its copies of the rows do not
     fit an eighth of ``memory_budget`` (wide inputs: the probe of a batch of two used to
     be the call's peak with a small budget), the cycle's pairs ``(x0, x1), (x1, x2),
     (x2, x0)`` one at a time (the probe's memory of two rows, three captures and checks).
@@ -1458,8 +1459,14 @@ def check_rows(X: torch.Tensor, memory_budget: int) -> list[torch.Tensor]:
     k = min(CHECK_SAMPLES, X.shape[0])
     if k < 2:
         return [X[:1]]
-    if _CHECK_COPIES * (k + 1) * X[0].numel() * X.element_size() <= memory_budget // 8:
-        return [torch.cat([X[:k], X[:1]])]
+    # The cycle's length differs from every other axis of X (``x0, x1, x2, x0, x1`` where
+    # a sequence has 4 steps): the capture tells a layer's rows from the samples by their
+    # count, and a time-major transpose of X puts the steps first.
+    length = k + 1
+    while length in X.shape[1:]:
+        length += 1
+    if _CHECK_COPIES * length * X[0].numel() * X.element_size() <= memory_budget // 8:
+        return [X[[i % k for i in range(length)]]]
     return [X[:2]] + [X[i:i + 2] if i + 2 <= k else X[[i, (i + 1) % k]]
                       for i in range(1, k)]
 

@@ -1169,6 +1169,17 @@ class _SortedByScore(nn.Module):
         return self.l2(torch.tanh(self.l1(x[order])[back]))
 
 
+def _sorted_by_score(descending):
+    """The network, its parameters, and 9 rows whose first three come in its sort's order."""
+    torch.manual_seed(0)
+    module = _SortedByScore(descending).double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = torch.randn(9, 3, dtype=torch.float64)
+    score = torch.tensor([9, 8, 7, 1, 5, 3, 6, 2, 4])
+    X[:, 0] = (score if descending else 10 - score).to(X.dtype)
+    return module, params, X
+
+
 @pytest.mark.parametrize("descending", [True, False])
 def test_a_batch_sorted_by_the_data_before_a_layer_falls_back_exactly(descending):
     # The first samples already in the sort's order: the two-row autograd check saw no
@@ -1176,12 +1187,7 @@ def test_a_batch_sorted_by_the_data_before_a_layer_falls_back_exactly(descending
     # (42-58% off). The check's cycle of rows x0, x1, x2, x0 is in no sorted order, so
     # the sort moves one of them; so do its pairs, checked one at a time where the rows
     # are wide for the budget (test_the_reordering_check_in_pairs_sees_a_sort).
-    torch.manual_seed(0)
-    module = _SortedByScore(descending).double()
-    params = {k: v.detach() for k, v in module.named_parameters()}
-    X = torch.randn(9, 3, dtype=torch.float64)
-    score = torch.tensor([9, 8, 7, 1, 5, 3, 6, 2, 4])
-    X[:, 0] = (score if descending else 10 - score).to(X.dtype)
+    module, params, X = _sorted_by_score(descending)
     J = _loop_jacobian(module, params, X)
     _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
     _close(tangent_gram(module, params, X, output="trace"),
@@ -1256,12 +1262,7 @@ def test_the_reordering_check_in_pairs_sees_a_sort(descending, monkeypatch):
     # copies): the pairs, each captured and checked alone, still send l1 to the fallback
     # (and the Gram is exact).
     monkeypatch.setattr(_capture, "_CHECK_COPIES", 10**9)
-    torch.manual_seed(0)
-    module = _SortedByScore(descending).double()
-    params = {k: v.detach() for k, v in module.named_parameters()}
-    X = torch.randn(9, 3, dtype=torch.float64)
-    score = torch.tensor([9, 8, 7, 1, 5, 3, 6, 2, 4])
-    X[:, 0] = (score if descending else 10 - score).to(X.dtype)
+    module, params, X = _sorted_by_score(descending)
     budget = 2**20
     assert len(_capture.check_rows(X, budget)) == 3
     assert "l1.weight" in _gram._prepare(module, params, X, "full", budget)[3].fallback

@@ -238,7 +238,12 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
             # Then every pass draws anew, and no factors agree with another pass's.
             why += (f"; here layer {draws[0]!r} draws at random in training mode, so no "
                     "two passes agree: call module.eval()")
-        reasons.update(dict.fromkeys(hidden, why))
+        # A layer on the steps of a time-major transpose, as many as the check's rows,
+        # passes the capture's count of rows there and only the check sends it away: on
+        # one row the count tells (the Gram was right either way; the reason is truer).
+        alone = capture(module, params, X[:1], outputs, memory_budget=DEFAULT_MEMORY_BUDGET,
+                        exclude=cap.exclude - hidden, dense_fallback=False).reasons
+        reasons.update({name: alone.get(name, why) for name in hidden})
     fallback = set(cap.fallback)
     # (A layer drawing in training mode fails vmap too: its own reason above says more.)
     loops = (unbatched(module, params, X, sorted(fallback), outputs)

@@ -1442,11 +1442,11 @@ def check_rows(X: torch.Tensor, memory_budget: int) -> list[torch.Tensor]:
     """The groups of rows :func:`_numerical_misfits` checks, each with a capture of its
     own: a cycle of the first ``CHECK_SAMPLES`` samples of ``X`` and the first again
     (``x0, x1, x2, x0``; ``x0, x1, x0`` for two; longer, ``x0, x1, x2, x0, x1``, where X
-    has an axis of that length), or, where its copies of the rows do not
-    fit an eighth of ``memory_budget`` (wide inputs: the probe of a batch of two used to
-    be the call's peak with a small budget), the cycle's pairs ``(x0, x1), (x1, x2),
-    (x2, x0)`` one at a time (the probe's memory of two rows, three captures and checks).
-    One sample is taken alone.
+    has an axis of that length), or, where its copies of the rows do not fit an eighth
+    of ``memory_budget`` (wide inputs: the probe of two rows was already the peak of a
+    call with a small budget), the cycle's pairs ``(x0, x1), (x1, x2), (x2, x0)`` one at
+    a time (the probe's memory of two rows; three captures and checks). One sample is
+    taken alone.
 
     The check weights each group's rows 1, 2, ... (see there), so it sees a forward pass
     that reorders the rows before a rule layer wherever the reordering moves a row of a

@@ -1195,7 +1195,7 @@ def test_a_batch_sorted_by_the_data_before_a_layer_falls_back_exactly(descending
     _close(tangent_features(module, params, X, output="full"), J)
     routes = {r.name: r for r in layer_routes(module, X)}
     assert routes["l1"].route == "fallback", routes["l1"]
-    assert "reorders or mixes the samples" in routes["l1"].reason, routes["l1"].reason
+    assert "reorders the samples" in routes["l1"].reason, routes["l1"].reason
     # Only the layer between the sort and the unsort: l2's rows are the samples.
     assert routes["l2"].route == "rule", routes["l2"]
     # The paths' route (hidden_reads once, then check_hidden=False) routes alike.
@@ -1203,6 +1203,31 @@ def test_a_batch_sorted_by_the_data_before_a_layer_falls_back_exactly(descending
     assert "l1.weight" in exclude and "l2.weight" not in exclude
     _close(tangent_gram(module, params, X, output="full", exclude=exclude, check_hidden=False),
            torch.einsum("ncp,mdp->ncmd", J, J))
+
+
+class _MixedAfter(nn.Module):
+    """The samples mixed after l0 (``h + h.mean(0)``): l0's rows get the backprop of
+    every sample's output, l1's and l2's rows are each their sample's (mixed) rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.l0, self.l1, self.l2 = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.l0(x))
+        return self.l2(torch.tanh(self.l1(h + h.mean(0))))
+
+
+def test_the_reason_puts_a_mix_of_the_samples_after_the_layer():
+    # The autograd check sends away the layer before the mix (its factors disagree),
+    # not the ones after it: the reason said the forward "mixes the samples before the
+    # layer", the wrong side (session s54 review).
+    torch.manual_seed(0)
+    module = _MixedAfter().double()
+    routes = {r.name: r for r in layer_routes(module, torch.randn(6, 3, dtype=torch.float64))}
+    assert routes["l0"].route == "fallback", routes["l0"]
+    assert "or mixes them after it" in routes["l0"].reason, routes["l0"].reason
+    assert routes["l1"].route == routes["l2"].route == "rule", routes
 
 
 class _Encoder(nn.Module):

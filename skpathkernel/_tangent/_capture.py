@@ -1521,9 +1521,11 @@ def _numerical_misfits(
 
     The second line behind :class:`_UseWatch`, for what it cannot see: reads of a
     parameter hidden from torch functions (a TorchScript function or a C++ extension
-    taking ``self.lin.weight`` in a parent's ``forward``), and rows reordered or mixed
-    before a layer (``x.flip(0)``, ``x[x[:, 0].argsort()]`` undone after the layer),
-    which break the row-per-sample alignment of the factors. One backward pass per
+    taking ``self.lin.weight`` in a parent's ``forward``), and rows reordered before a
+    layer (``x.flip(0)``, ``x[x[:, 0].argsort()]`` undone after the layer) or mixed after
+    it (``h + h.mean(0)``), which break the row-per-sample alignment of the factors (rows
+    mixed before a layer and never unmixed are not seen there: the network is then not
+    one of samples alone, which the engine assumes). One backward pass per
     output over the rows of ``x`` (a group of :func:`check_rows`, so that a sort shows;
     ``cap`` is their capture) catches these unless their gradient vanishes there; the
     parameters returned here must go to the fallback. It cannot see a reordering that

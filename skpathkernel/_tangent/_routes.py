@@ -38,8 +38,8 @@ LOOPS = ("torch.func cannot batch this network's forward, so the fallback differ
          "however few parameters it holds")
 DISAGREE = ("its factors disagree with autograd on the first samples (a wrong rule, a "
             "parameter read where torch functions do not see it, or a forward pass that "
-            "reorders or mixes the samples before the layer, such as a sort of the batch "
-            "by the data)")
+            "reorders the samples before the layer, such as a sort of the batch by the "
+            "data, or mixes them after it)")
 
 
 class FallbackWarning(UserWarning):

@@ -1296,6 +1296,18 @@ def test_the_reordering_check_in_pairs_sees_a_sort(descending, monkeypatch):
            torch.einsum("ncp,mdp->ncmd", J, J))
 
 
+@pytest.mark.parametrize("descending", [True, False])
+@pytest.mark.parametrize("n_x", [1, 2])
+def test_a_cross_gram_of_one_query_checks_ys_rows(n_x, descending):
+    # K(x, Y) for one query (step_kernel's K(x, X_train)): the check of x alone has no
+    # order to see, but Y's blocks are batches the forward sorts, and l1 kept its rule
+    # (42-58% off). Y's first rows complete the check after X's.
+    module, params, X = _sorted_by_score(descending)
+    J = _loop_jacobian(module, params, X)
+    _close(tangent_gram(module, params, X[:n_x], X, output="full"),
+           torch.einsum("ncp,mdp->ncmd", J[:n_x], J))
+
+
 class _HostSquare(torch.autograd.Function):
     """x^2 computed in NumPy: its backward leaves torch, so autograd cannot batch it."""
 

@@ -391,6 +391,7 @@ import torch
 from .._memory import large_tensor, rows_per_block
 from .._modules import module_lock
 from ._capture import (
+    CHECK_SAMPLES,
     Capture,
     capture,
     check_per_sample,
@@ -1133,7 +1134,8 @@ def _dense_bytes(term: Term, itemsize: int) -> int:
     return itemsize * C * sum(param_numel(term, a) for _, a in term.inputs)
 
 
-def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), check_hidden=True):
+def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), check_hidden=True,
+             Y=None):
     params = dict(params)
     if X.ndim < 1 or X.shape[0] == 0:
         raise ValueError("X must be a non-empty tensor of shape (n_samples, ...), got shape "
@@ -1155,10 +1157,18 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
     # besides (13% more on the ViT row, which then lost the kept plan).
     kw = dict(exclude=exclude, index=True, measure_graph=True, copy_sites=False, fold_bn=True)
     if check_hidden:
+        # A cross Gram of fewer rows in X than the check takes (one query against a
+        # training set) checks Y's first rows after X's: Y's blocks are batches that a
+        # forward sorting its batch reorders (one row of X checked alone saw no sort,
+        # the Gram 42% off; tests/test_tangent.py::test_a_cross_gram_of_one_query_checks_ys_rows).
+        checked = X
+        if (Y is not None and X.shape[0] < CHECK_SAMPLES and Y.shape[1:] == X.shape[1:]
+                and Y.dtype == X.dtype and Y.device == X.device):
+            checked = torch.cat([X, Y[:CHECK_SAMPLES - X.shape[0]]])
         # The check's batched pass over the outputs in the eighth of the budget that
         # captures take (session s53).
         rows, probe, hidden = checked_capture(
-            module, params, X, outputs, memory_budget=memory_budget,
+            module, params, checked, outputs, memory_budget=memory_budget,
             batch_bytes=memory_budget // 8 if BATCHED_CHECK else 0, **kw)
     else:
         rows, hidden = X[:1], frozenset()
@@ -1354,7 +1364,7 @@ def tangent_gram(
         if K is not None:
             return K
     params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget, exclude,
-                                            check_hidden)
+                                            check_hidden, Y)
     dtype = value_dtype(params, X)
     weight = _check_weight(diag_weight, params, dtype, X.device)
     weight = None if weight is None else _Weighted(weight)

@@ -73,7 +73,8 @@ from ._saved import SavedWatch, differentiable_forward
 from ._saved import tensors as _tensors
 
 __all__ = ["Capture", "capture", "check_functional_lookups", "check_lookups",
-           "check_per_sample", "forward", "plain_cnn_capture", "value_dtype"]
+           "check_per_sample", "check_rows", "checked_capture", "forward",
+           "plain_cnn_capture", "value_dtype"]
 
 # Why a rule layer's parameters went to the fallback (reported by layer_routes).
 READ_OUTSIDE = "a parameter is read outside the layer's own call"
@@ -1430,6 +1431,78 @@ def _batch_check_bytes(cap: Capture, wrt: Sequence[torch.Tensor], n_out: int) ->
     return n_out * (sum(t.numel() * t.element_size() for t in wrt) + cap.graph_bytes)
 
 
+#: Distinct samples the autograd check takes (:func:`check_rows`).
+CHECK_SAMPLES = 3
+#: Copies of its rows that the check holds at once: the rows, the forward pass's copy,
+#: the check's own and their gradient.
+_CHECK_COPIES = 4
+
+
+def check_rows(X: torch.Tensor, memory_budget: int) -> list[torch.Tensor]:
+    """The groups of rows :func:`_numerical_misfits` checks, each with a capture of its
+    own: a cycle of the first ``CHECK_SAMPLES`` samples of ``X`` and the first again
+    (``x0, x1, x2, x0``; ``x0, x1, x0`` for two; longer, ``x0, x1, x2, x0, x1``, where X
+    has an axis of that length), or, where its copies of the rows do not fit an eighth
+    of ``memory_budget`` (wide inputs: the probe of two rows was already the peak of a
+    call with a small budget), the cycle's pairs ``(x0, x1), (x1, x2), (x2, x0)`` one at
+    a time (the probe's memory of two rows; three captures and checks). One sample is
+    taken alone.
+
+    The check weights each group's rows 1, 2, ... (see there), so it sees a forward pass
+    that reorders the rows before a rule layer wherever the reordering moves a row of a
+    group. A closed cycle is in no monotone order unless its keys tie: a sort of the
+    batch by the data (by length before a packed RNN, by a score before a Linear),
+    ascending or descending, moves a row of the cycle (or swaps a pair) unless the three
+    samples tie on its key; two identical rows swapped give the same factors, so the
+    cycle's repeated row is never a false alarm.
+    """
+    k = min(CHECK_SAMPLES, X.shape[0])
+    if k < 2:
+        return [X[:1]]
+    # The cycle's length differs from every other axis of X (``x0, x1, x2, x0, x1`` where
+    # a sequence has 4 steps): the capture tells a layer's rows from the samples by their
+    # count, and a time-major transpose of X puts the steps first.
+    length = k + 1
+    while length in X.shape[1:]:
+        length += 1
+    if _CHECK_COPIES * length * X[0].numel() * X.element_size() <= memory_budget // 8:
+        return [X[[i % k for i in range(length)]]]
+    return [X[:2]] + [X[i:i + 2] if i + 2 <= k else X[[i, (i + 1) % k]]
+                      for i in range(1, k)]
+
+
+def checked_capture(module, params, X, outputs, *, memory_budget, batch_bytes=0,
+                    **capture_kw):
+    """The probe capture of the first group of :func:`check_rows` and the parameters that
+    :func:`_numerical_misfits` sends to the fallback over every group: ``(rows, cap,
+    misfits)``, ``cap`` the capture of ``rows`` (the other groups captured too, alike).
+
+    A network that refuses the check's rows out of ``X``'s order (one that needs its batch
+    sorted: ``pack_padded_sequence`` with ``enforce_sorted=True`` raises on the cycle) is
+    checked on its first two samples in ``X``'s order instead, as before session s54: it
+    cannot reorder a batch it requires sorted, and an error of its own raises there again.
+    """
+    try:
+        return _checked(module, params, check_rows(X, memory_budget), outputs,
+                        memory_budget, batch_bytes, capture_kw)
+    except Exception:
+        if X.shape[0] < 2:
+            raise
+    return _checked(module, params, [X[:2]], outputs, memory_budget, batch_bytes, capture_kw)
+
+
+def _checked(module, params, groups, outputs, memory_budget, batch_bytes, capture_kw):
+    cap = capture(module, params, groups[0], outputs, memory_budget=memory_budget,
+                  **capture_kw)
+    bad = _numerical_misfits(module, params, groups[0], cap, outputs, batch_bytes)
+    others = {k: v for k, v in capture_kw.items() if k not in ("exclude", "measure_graph")}
+    for rows in groups[1:]:
+        more = capture(module, params, rows, outputs, memory_budget=memory_budget,
+                       exclude=cap.exclude, **others)
+        bad |= _numerical_misfits(module, params, rows, more, outputs, batch_bytes)
+    return groups[0], cap, bad
+
+
 def _numerical_misfits(
     module: torch.nn.Module,
     params: Mapping[str, torch.Tensor],
@@ -1449,10 +1522,16 @@ def _numerical_misfits(
     The second line behind :class:`_UseWatch`, for what it cannot see: reads of a
     parameter hidden from torch functions (a TorchScript function or a C++ extension
     taking ``self.lin.weight`` in a parent's ``forward``), and rows reordered before a
-    layer (``x.flip(0)``), which break the row-per-sample alignment of the factors. One
-    backward pass per output over the rows of ``x`` (two where there are two, so that
-    a swap shows; ``cap`` is their capture) catches these unless their gradient
-    vanishes there; the parameters returned here must go to the fallback.
+    layer (``x.flip(0)``, ``x[x[:, 0].argsort()]`` undone after the layer) or mixed after
+    it (``h + h.mean(0)``), which break the row-per-sample alignment of the factors (rows
+    mixed before a layer and never unmixed are not seen there: the network is then not
+    one of samples alone, which the engine assumes). One backward pass per
+    output over the rows of ``x`` (a group of :func:`check_rows`, so that a sort shows;
+    ``cap`` is their capture) catches these unless their gradient vanishes there; the
+    parameters returned here must go to the fallback. It cannot see a reordering that
+    leaves the checked rows in place: one that happens only in larger batches
+    (``if len(x) > 8``), a sort whose key ties on the checked samples, or one that moves
+    only rows past them; the layer then keeps its rule and its Gram is wrong.
     """
     covered = [name for term in cap.terms for name, _ in term.inputs
                if name not in cap.fallback]

@@ -391,10 +391,11 @@ import torch
 from .._memory import large_tensor, rows_per_block
 from .._modules import module_lock
 from ._capture import (
+    CHECK_SAMPLES,
     Capture,
-    _numerical_misfits,
     capture,
     check_per_sample,
+    checked_capture,
     forward,
     plain_cnn_capture,
     value_dtype,
@@ -442,7 +443,7 @@ ADD_ROWS = 256
 #: Whether a symmetric "full" block of dense rows takes the SYRK of its ``(n C, n C)``
 #: square and the other blocks one GEMM into theirs (session s53; the A/B's switch).
 FULL_SYRK = True
-#: Whether the one-sample autograd check is one batched backward pass over the outputs
+#: Whether the autograd check of the first samples is one batched backward pass over the outputs
 #: where it fits an eighth of the budget (session s53; the A/B's switch).
 BATCHED_CHECK = True
 
@@ -1133,7 +1134,8 @@ def _dense_bytes(term: Term, itemsize: int) -> int:
     return itemsize * C * sum(param_numel(term, a) for _, a in term.inputs)
 
 
-def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), check_hidden=True):
+def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), check_hidden=True,
+             Y=None):
     params = dict(params)
     if X.ndim < 1 or X.shape[0] == 0:
         raise ValueError("X must be a non-empty tensor of shape (n_samples, ...), got shape "
@@ -1145,22 +1147,32 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
     outputs, mode = _resolve_output(output, n_outputs)
     # The first sample's factors give the per-row size of every block's factors, and the
     # capture finds the parameters read outside their layer (every block's capture
-    # checks again, see _consistent_routing); the autograd check on the first two
-    # samples covers reads that torch functions do not see, and reordered rows.
+    # checks again, see _consistent_routing); the autograd check on the first three
+    # samples and the first again (check_rows) covers reads that torch functions do not
+    # see, and rows reordered by the data (a sort of the batch before a layer).
     # The sites' outputs handed on uncopied, as the chunks hand them on (:class:`_Blocks`,
     # capture's ``copy_sites``; copied where one is rewritten in place, here as there):
     # the graph's bytes (:func:`_kept_forward_groups`) are then those a kept forward pass
     # of the chunks holds, not those of a pass holding a copy of every site's output
     # besides (13% more on the ViT row, which then lost the kept plan).
-    rows = X[:2] if check_hidden else X[:1]
-    probe = capture(module, params, rows, outputs, memory_budget=memory_budget,
-                    exclude=exclude, index=True, measure_graph=True, copy_sites=False,
-                    fold_bn=True)
-    # The check's batched pass over the outputs in the eighth of the budget that
-    # captures take (session s53).
-    hidden = _numerical_misfits(module, params, rows, probe, outputs,
-                                memory_budget // 8 if BATCHED_CHECK else 0) if check_hidden \
-        else frozenset()
+    kw = dict(exclude=exclude, index=True, measure_graph=True, copy_sites=False, fold_bn=True)
+    if check_hidden:
+        # A cross Gram of fewer rows in X than the check takes (one query against a
+        # training set) checks Y's first rows after X's: Y's blocks are batches that a
+        # forward sorting its batch reorders (one row of X checked alone saw no sort,
+        # the Gram 42% off; tests/test_tangent.py::test_a_cross_gram_of_one_query_checks_ys_rows).
+        checked = X
+        if (Y is not None and X.shape[0] < CHECK_SAMPLES and Y.shape[1:] == X.shape[1:]
+                and Y.dtype == X.dtype and Y.device == X.device):
+            checked = torch.cat([X, Y[:CHECK_SAMPLES - X.shape[0]]])
+        # The check's batched pass over the outputs in the eighth of the budget that
+        # captures take (session s53).
+        rows, probe, hidden = checked_capture(
+            module, params, checked, outputs, memory_budget=memory_budget,
+            batch_bytes=memory_budget // 8 if BATCHED_CHECK else 0, **kw)
+    else:
+        rows, hidden = X[:1], frozenset()
+        probe = capture(module, params, rows, outputs, memory_budget=memory_budget, **kw)
     if hidden:
         rows = X[:1]
         probe = capture(module, params, rows, outputs, memory_budget=memory_budget,
@@ -1186,9 +1198,9 @@ def hidden_reads(
 ) -> frozenset[str]:
     """Parameters to route to the fallback, checked at several points and samples.
 
-    Runs the use watch and the one-sample autograd check (see :func:`tangent_gram`'s
-    ``check_hidden``) at every parameter point in ``points`` for the first row of each
-    tensor in ``rows``. A path kernel or a decomposition checks the first, middle and
+    Runs the use watch and the autograd check of the first samples (see
+    :func:`tangent_gram`'s ``check_hidden``) at every parameter point in ``points`` for
+    each tensor in ``rows``. A path kernel or a decomposition checks the first, middle and
     last points of its path once, then calls the engine with ``exclude=`` this set and
     ``check_hidden=False`` at every step; the use watch still runs in every capture.
     """
@@ -1322,9 +1334,11 @@ def tangent_gram(
         Parameters whose layers must use the generic fallback. Layers with a parameter
         read outside their own call are found by every capture and added to these.
     check_hidden : bool, default=True
-        Run the one-sample autograd check for reads that torch functions do not see
-        (TorchScript, C++ extensions). A caller evaluating many points of one path runs
-        it once with :func:`hidden_reads` and passes the result as ``exclude``.
+        Run the autograd check of the first samples (:func:`._capture.check_rows`) for
+        reads that torch functions do not see (TorchScript, C++ extensions) and for a
+        forward pass that reorders the samples before a rule layer. A caller evaluating
+        many points of one path runs it once with :func:`hidden_reads` and passes the
+        result as ``exclude``.
     out_dtype : torch.dtype, default=None
         The dtype of the returned Gram; ``None``: the computation's. A wider one (float64
         for a float32 network) equals the Gram converted afterwards, bit for bit, without
@@ -1350,7 +1364,7 @@ def tangent_gram(
         if K is not None:
             return K
     params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget, exclude,
-                                            check_hidden)
+                                            check_hidden, Y)
     dtype = value_dtype(params, X)
     weight = _check_weight(diag_weight, params, dtype, X.device)
     weight = None if weight is None else _Weighted(weight)
@@ -1944,9 +1958,11 @@ def tangent_gram_diag(
         Parameters whose layers must use the generic fallback. Layers with a parameter
         read outside their own call are found by every capture and added to these.
     check_hidden : bool, default=True
-        Run the one-sample autograd check for reads that torch functions do not see
-        (TorchScript, C++ extensions). A caller evaluating many points of one path runs
-        it once with :func:`hidden_reads` and passes the result as ``exclude``.
+        Run the autograd check of the first samples (:func:`._capture.check_rows`) for
+        reads that torch functions do not see (TorchScript, C++ extensions) and for a
+        forward pass that reorders the samples before a rule layer. A caller evaluating
+        many points of one path runs it once with :func:`hidden_reads` and passes the
+        result as ``exclude``.
 
     Returns
     -------
@@ -2081,9 +2097,11 @@ def tangent_features(
         Parameters whose layers must use the generic fallback. Layers with a parameter
         read outside their own call are found by every capture and added to these.
     check_hidden : bool, default=True
-        Run the one-sample autograd check for reads that torch functions do not see
-        (TorchScript, C++ extensions). A caller evaluating many points of one path runs
-        it once with :func:`hidden_reads` and passes the result as ``exclude``.
+        Run the autograd check of the first samples (:func:`._capture.check_rows`) for
+        reads that torch functions do not see (TorchScript, C++ extensions) and for a
+        forward pass that reorders the samples before a rule layer. A caller evaluating
+        many points of one path runs it once with :func:`hidden_reads` and passes the
+        result as ``exclude``.
     out : torch.Tensor of shape (n_samples, n_outputs_used, P), default=None
         Buffer for the ``(n, C, P)`` Jacobian (``C`` the outputs used): callers that need
         features at many points reuse one buffer instead of faulting in fresh memory.

@@ -110,7 +110,7 @@ def _unpacked(args, call):
     if sequence.sorted_indices is None and n > 1:
         # Rows in length order as the forward gave them: the samples sorted by the forward
         # itself (sort, pack, put h_n back) look the same, and the autograd check of the
-        # first rows misses it where they come sorted (a Gram 27% off).
+        # first rows misses it where they tie on the length (a Gram 27% off).
         return ("a packed sequence without its samples' order (enforce_sorted=True, or "
                 "built without sorted_indices): its rows may be the samples as the forward "
                 "sorted them, which the rule cannot tell; pack with enforce_sorted=False")

@@ -21,7 +21,7 @@ from torch.nn.utils import parametrize
 from .._modules import copy_module, runs_module
 from .._path._training import drawing_layers
 from .._warnings import caller_stacklevel, worst
-from ._capture import _numerical_misfits, capture, check_per_sample, forward
+from ._capture import capture, check_per_sample, checked_capture, forward
 from ._generic import _looped, unbatched
 from ._gram import DEFAULT_MEMORY_BUDGET, _resolve_output, tangent_features, tangent_gram
 from ._rules import RULES, overridden, registered_ancestor, rule_for
@@ -36,8 +36,10 @@ FALLBACK_SHARE = 0.1
 LOOPS = ("torch.func cannot batch this network's forward, so the fallback differentiates "
          "it one sample and output at a time, a backward pass of the whole network each, "
          "however few parameters it holds")
-DISAGREE = ("its factors disagree with autograd on the first samples (a wrong rule, or a "
-            "parameter read where torch functions do not see it)")
+DISAGREE = ("its factors disagree with autograd on the first samples (a wrong rule, a "
+            "parameter read where torch functions do not see it, or a forward pass that "
+            "reorders the samples before the layer, such as a sort of the batch by the "
+            "data, or mixes them after it)")
 
 
 class FallbackWarning(UserWarning):
@@ -182,8 +184,10 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
     """List each layer holding parameters with its route (rule or fallback) and size.
 
     Runs the capture of the structured engine (and its autograd check for reads that torch
-    functions do not see) on the first two samples of ``X``, so the routes are those every
-    kernel, feature and decomposition computation on such inputs takes.
+    functions do not see and for a forward pass that reorders the samples before a layer)
+    on the first samples of ``X`` (the cycle ``x0, x1, x2, x0`` of
+    :func:`._capture.check_rows`), so the routes are those every kernel, feature and
+    decomposition computation on such inputs takes.
 
     Parameters
     ----------
@@ -218,13 +222,12 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
     if params is None:
         params = {k: v.detach() for k, v in module.named_parameters() if v.requires_grad}
     params = dict(params)
-    X = _as_input(module, X)[:2]
+    X = _as_input(module, X)
     check_per_sample(module)
     outputs, _ = _resolve_output(output, forward(module, params, X[:1]).shape[1])
-    cap = capture(module, params, X, outputs, memory_budget=DEFAULT_MEMORY_BUDGET,
-                  dense_fallback=False)
+    X, cap, hidden = checked_capture(module, params, X, outputs,
+                                     memory_budget=DEFAULT_MEMORY_BUDGET, dense_fallback=False)
     reasons = dict(cap.reasons)
-    hidden = _numerical_misfits(module, params, X, cap, outputs)
     if hidden:
         cap = capture(module, params, X, outputs, memory_budget=DEFAULT_MEMORY_BUDGET,
                       exclude=cap.exclude | hidden, dense_fallback=False)
@@ -235,7 +238,12 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
             # Then every pass draws anew, and no factors agree with another pass's.
             why += (f"; here layer {draws[0]!r} draws at random in training mode, so no "
                     "two passes agree: call module.eval()")
-        reasons.update(dict.fromkeys(hidden, why))
+        # A layer on the steps of a time-major transpose, as many as the check's rows,
+        # passes the capture's count of rows there and only the check sends it away: on
+        # one row the count tells (the Gram was right either way; the reason is truer).
+        alone = capture(module, params, X[:1], outputs, memory_budget=DEFAULT_MEMORY_BUDGET,
+                        exclude=cap.exclude - hidden, dense_fallback=False).reasons
+        reasons.update({name: alone.get(name, why) for name in hidden})
     fallback = set(cap.fallback)
     # (A layer drawing in training mode fails vmap too: its own reason above says more.)
     loops = (unbatched(module, params, X, sorted(fallback), outputs)

@@ -222,7 +222,8 @@ class Rule:
         otherwise than once, in one call of the rule's op with all of the layer's
         parameters (scaled first, added again, a second call), sending the layer to the
         fallback, as do rows that are not the samples and, through the autograd check of
-        the first rows, reads that torch functions do not see.
+        the first rows, reads that torch functions do not see and rows that the forward
+        pass reorders before the layer.
 
     Examples
     --------

@@ -567,17 +567,17 @@ class _UseWatch(TorchFunctionMode):
                               self.views) if torch.is_grad_enabled() else PRODUCT_NO_GRAD)
         if not isinstance(found, str):
             rule, names, expand = found
-            if expand is not None:
-                run = expand(None, func, args, kwargs)
-                if run is not None:
-                    out, ((a, z),) = run
+            # A matrix product runs as the transposed rule's expand, which hands on its
+            # own copy of z; F.linear as one site (x, result), copied here.
+            run = (expand(None, func, args, kwargs) if expand is not None
+                   else (func(*args, **kwargs), [(args[0], None)]))
+            if run is None:
+                found = PRODUCT_OTHER  # arguments the expand declines
             else:
-                out = z = func(*args, **kwargs)
-                a, run = args[0], True
-            if run is not None and isinstance(z, torch.Tensor) and z.requires_grad:
+                out, ((a, z),) = run
+                z = out if z is None else z
                 self.free_products.append((rule, names, Use(func, args, kwargs, (a,)), (z,)))
                 return out.clone() if out is z else out
-            found = PRODUCT_OTHER if run is None else PRODUCT_NO_GRAD
         out = func(*args, **kwargs)
         if any(not torch.is_grad_enabled() or o.requires_grad for o in _tensors(out)):
             for name, _ in free:

@@ -1,4 +1,4 @@
-"""Rules for raw parameters used directly in elementwise operations.
+"""Rules for raw parameters used directly in elementwise operations and matrix products.
 
 Networks hold parameters outside any layer with a rule: a class token concatenated to the
 patch tokens (``self.cls_token.expand(n, -1, -1)``), a position embedding added to them
@@ -31,8 +31,26 @@ torch functions that reach :class:`torch.overrides.TorchFunctionMode` for it
 (``x + P`` arrives as ``Tensor.add``). The result is a term with a constant input (the
 parameter's gradient is its ``delta``), contracted as dense rows of ``P.numel()``.
 
-A free parameter read in any other way (a view of a view included), under disabled grad,
-or not broadcast over the samples goes to the generic fallback, as before.
+A free 2-D parameter read as the weight of a linear map, ``F.linear(x, P)``, ``x @ P.T``
+(``P.t()``, ``P.mT``, ``P.transpose(0, 1)``: ``P`` is ``(out, in)``), ``x @ P``,
+``torch.matmul(x, P)``, ``torch.mm``, ``torch.addmm(b, x, P)`` (``P`` is ``(in, out)``),
+with the samples leading in ``x`` (``(n, ..., in)``, ``P`` broadcast over the samples and
+any sequence axes; or its rows flattened, ``x.view(-1, in)``, as Hugging Face's
+``Conv1D`` reads them), runs as a site of the Linear rule itself (:func:`product_site`):
+its per-sample gradient is ``sum_s delta_s (outer) x_s``, ``nn.Linear``'s (transposed for
+``(in, out)``), and the capture hands the call to that rule's ``factors`` (and, for a
+matrix product, the transposed rule's ``expand``), so the term keeps its two factors
+(input ``x``, backprop ``delta``) and the Gram contracts them as a Linear's. A raw bias
+read by the same ``F.linear`` or ``torch.addmm`` is that term's bias. This covers a
+hand-written LoRA (``x @ self.A.T @ self.B.T``), ``x @ self.W + self.b``, attention with
+raw ``Wq``, ``Wk``, ``Wv``, and a ``Linear`` subclass overriding ``forward`` with
+``F.linear(x, self.weight, self.bias)``. A parameter read by a product and elementwise,
+or by two products, gets the sum of its terms (:func:`._capture._summed_uses`).
+
+A free parameter read in any other way (a view of a view included; ``P @ x``, a batched
+``P``, ``torch.einsum``, a slice of ``P`` read by a product, the weight passed by keyword),
+under disabled grad, or not broadcast over the samples goes to the generic fallback, as
+before; a product's read says why (``PRODUCT_*``, shown by ``layer_routes``).
 """
 
 from __future__ import annotations

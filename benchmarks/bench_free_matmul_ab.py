@@ -9,8 +9,8 @@ or of single-head attention with raw ``Wq``, ``Wk``, ``Wv`` on ``(N, 16, 32)`` s
 timed by ``time.process_time`` on one torch thread; each side's routes checked first.
 
 Usage: ``taskset -c 0 python -m benchmarks.bench_free_matmul_ab [REF] [RESULTS]``
-(REF ``main``; RESULTS ``free_matmul_ab``; the s54 run is ``free_matmul-s54``). Writes ``benchmarks/results/RESULTS.md`` and
-``.json``.
+(REF ``main``; RESULTS ``free_matmul_ab``; the s54 run is ``free_matmul-s54``). Writes
+``benchmarks/results/RESULTS.md`` and ``.json``.
 """
 
 import os

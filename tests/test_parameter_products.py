@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _reference import jacobian_loop, module_at
+from test_parameter_rules import _close  # relative max error <= 1e-10
 from torch import nn
 
 from skpathkernel import PathKernelMachine
@@ -20,15 +21,6 @@ from skpathkernel._tangent._parameters import (
 )
 from skpathkernel.kernels import PathKernel, path_weights
 from skpathkernel.rules import layer_routes
-
-RTOL = 1e-10
-
-
-def _close(a, b, rtol=RTOL):
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
-    assert err <= rtol, err
 
 
 def _params(module):

@@ -105,7 +105,23 @@ class Forms(nn.Module):
         return self.head(h)
 
 
+class BiasOnly(nn.Module):
+    """Raw biases of products whose weight is no parameter (a buffer): torch.addmm and
+    F.linear, the bias's term alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.b, self.c = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4))
+        self.register_buffer("C", torch.randn(3, 4))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(torch.addmm(self.b, x, self.C)
+                                    + F.linear(x, self.C.T, self.c)))
+
+
 NETS = {
+    "bias_only": (BiasOnly, lambda: torch.randn(5, 3)),
     "lora": (LoRANet, lambda: torch.randn(6, 6)),
     "raw_mlp": (RawMLP, lambda: torch.randn(5, 7, 4)),
     "attention": (RawAttention, lambda: torch.randn(5, 4, 5)),

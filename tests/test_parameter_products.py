@@ -262,3 +262,23 @@ def test_other_reads_fall_back_exactly_with_their_reason(read):
         module.get_parameter(k).requires_grad_(True)
     J = jacobian_loop(module, X)
     _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+
+
+class _MaskedLoRA(LoRA):
+    """A value read into Python (mask code's branch) before ``self.A.T``: a transpose
+    takes no bounds from the data, so it stays a site (a slice taken then would not)."""
+
+    def forward(self, x):
+        if bool((x != 0).all()):
+            x = x * 1.0
+        return super().forward(x)
+
+
+def test_a_transpose_after_a_value_read_stays_a_site():
+    torch.manual_seed(0)
+    module = nn.Sequential(_MaskedLoRA(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    X = torch.randn(5, 4, dtype=torch.float64)
+    assert [r.route for r in layer_routes(module, X)] == ["rule", "rule"]
+    params = _params(module)
+    J = jacobian_loop(module, X)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))

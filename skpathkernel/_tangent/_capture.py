@@ -26,8 +26,11 @@ Parameters that no rule layer holds (a class token, a position embedding, a gain
 as a raw ``nn.Parameter``) are watched too: each read through a registered elementwise
 operation (:mod:`._parameters`), of the parameter or of a slice of it
 (``x + self.pos[:, :L]``), broadcast over the samples, is a site whose backprop
-gives their per-sample gradient (summed over the sites of a parameter read twice); any
-other read leaves them to the fallback.
+gives their per-sample gradient (summed over the sites of a parameter read twice); a
+2-D one read as a linear map's weight (``F.linear(x, P)``, ``x @ P``, ``x @ P.T``, with
+the samples leading in ``x``), or a bias read with it, makes that call a site of the
+Linear rule, factored as an ``nn.Linear``'s call; any other read leaves them to the
+fallback.
 """
 
 from __future__ import annotations
@@ -534,10 +537,11 @@ class _UseWatch(TorchFunctionMode):
         name, read = free[0]
         if len(free) == 1 and torch.is_grad_enabled():
             site = parameter_site(func, args, kwargs, read)
-            if site is None and id(read) not in self.views and not self.values_read:
-                index = parameter_view(func, args, kwargs, read)
-                if index is None and transposed_view(func, args, kwargs, read):
-                    index = TRANSPOSED
+            if site is None and id(read) not in self.views:
+                # P.T takes no bounds, so values read before it do not matter.
+                index = (TRANSPOSED if transposed_view(func, args, kwargs, read)
+                         else None if self.values_read
+                         else parameter_view(func, args, kwargs, read))
         if site is not None and self.views.get(id(read)) == TRANSPOSED:
             site = None  # P.T is read as a site by a matrix product only
         out = func(*args, **kwargs)

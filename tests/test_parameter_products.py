@@ -282,3 +282,30 @@ def test_a_transpose_after_a_value_read_stays_a_site():
     params = _params(module)
     J = jacobian_loop(module, X)
     _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+
+
+class _BroadcastBias(nn.Module):
+    """F.linear with a raw bias that it broadcasts (shape (1,) or (1, out)): the rule's
+    bias term has one entry per output feature, so the call falls back (it raised a
+    ValueError, "gives 'b' 4 gradient entries per output, but the parameter has 1")."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.P = nn.Parameter(torch.randn(4, 3) / 2)
+        self.b = nn.Parameter(torch.randn(shape))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(F.linear(x, self.P, self.b)))
+
+
+@pytest.mark.parametrize("shape", [(1,), (1, 4)])
+def test_a_broadcast_bias_falls_back_exactly(shape):
+    torch.manual_seed(0)
+    module = _BroadcastBias(shape).double()
+    X = torch.randn(5, 3, dtype=torch.float64)
+    params = _params(module)
+    route = layer_routes(module, X)[0]
+    assert (route.route, route.reason) == ("fallback", PRODUCT_SHAPE)
+    J = jacobian_loop(module, X)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))

@@ -265,7 +265,7 @@ PRODUCT_LEFT = ("a raw nn.Parameter read as the left factor of a matrix product 
                 "F.linear(x, P[, b]) with the samples leading in x are structured")
 PRODUCT_SHAPE = ("a raw nn.Parameter read by a matrix product as a weight that is not 2-D "
                  "(a batched P), or by one whose input x has fewer than 2 axes (no sample "
-                 "axis)")
+                 "axis), or as a bias that is not of shape (out,) (broadcast)")
 PRODUCT_VIEW = ("a raw nn.Parameter read by a matrix product through a view other than P.T "
                 "(a slice of it, it reshaped)")
 PRODUCT_NO_GRAD = "a raw nn.Parameter read by a matrix product under disabled grad"
@@ -336,6 +336,10 @@ def product_site(func, args, kwargs, free: dict[int, str], views: dict[int, tupl
     if isinstance(b, torch.Tensor) and id(b) in free:
         if id(b) in views:
             return PRODUCT_VIEW
+        # F.linear broadcasts a bias of shape (1,) or (n, out); the rule's bias term is
+        # one entry per output feature.
+        if tuple(b.shape) != (w.shape[0 if func is F.linear else 1],):
+            return PRODUCT_SHAPE
         names["bias"] = free[id(b)]
     if len(names) != sum(isinstance(t, torch.Tensor) and id(t) in free for t in (x, w, b)):
         return PRODUCT_OTHER

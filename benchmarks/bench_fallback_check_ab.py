@@ -57,7 +57,8 @@ def _cases():
     torch.manual_seed(0)
     return {
         "raw tensordot 64x128 (fallback), N=512, C=10": (
-            nn.Sequential(_TensorDot(64, 128), nn.Tanh(), nn.Linear(128, 10)), torch.randn(512, 64)),
+            nn.Sequential(_TensorDot(64, 128), nn.Tanh(), nn.Linear(128, 10)),
+            torch.randn(512, 64)),
         "Linear-RMSNorm-Linear, N=1024, C=10": (
             nn.Sequential(nn.Linear(64, 256), _RMSNorm(256), nn.Tanh(), nn.Linear(256, 10)),
             torch.randn(1024, 64)),

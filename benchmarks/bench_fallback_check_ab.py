@@ -6,7 +6,7 @@ silently wrong on some chunks). The ref's ``_generic.py`` (``git show REF:...``)
 beside the tree's and patched in and out of the capture, the two sides alternating; each
 case is ``tangent_gram`` (the trace Gram) on a network whose fallback layers are an
 ``nn.RMSNorm`` (a small share of the parameters; a subclass, since nn.RMSNorm itself now
-has a rule) or a matrix product on a raw parameter (most of them), timed by
+has a rule) or a tensordot on a raw parameter (most of them), timed by
 ``time.process_time`` on one torch thread.
 
 Usage: ``THREADS=1 taskset -c 1 python -m benchmarks.bench_fallback_check_ab [REF] [RESULTS]``
@@ -33,13 +33,16 @@ ROOT = Path(__file__).resolve().parent.parent
 REPS = 7
 
 
-class _MatMul(nn.Module):
+class _TensorDot(nn.Module):
+    """A raw weight read by a tensordot: on the fallback (``x @ self.w`` is a site of the
+    Linear rule since session s54, ``_parameters.product_site``)."""
+
     def __init__(self, a, b):
         super().__init__()
         self.w = nn.Parameter(torch.randn(a, b) / a**0.5)
 
     def forward(self, x):
-        return x @ self.w
+        return torch.tensordot(x, self.w, dims=1)
 
 
 class _RMSNorm(nn.RMSNorm):
@@ -53,8 +56,9 @@ class _RMSNorm(nn.RMSNorm):
 def _cases():
     torch.manual_seed(0)
     return {
-        "raw matmul 64x128 (fallback), N=512, C=10": (
-            nn.Sequential(_MatMul(64, 128), nn.Tanh(), nn.Linear(128, 10)), torch.randn(512, 64)),
+        "raw tensordot 64x128 (fallback), N=512, C=10": (
+            nn.Sequential(_TensorDot(64, 128), nn.Tanh(), nn.Linear(128, 10)),
+            torch.randn(512, 64)),
         "Linear-RMSNorm-Linear, N=1024, C=10": (
             nn.Sequential(nn.Linear(64, 256), _RMSNorm(256), nn.Tanh(), nn.Linear(256, 10)),
             torch.randn(1024, 64)),

@@ -146,10 +146,10 @@ def test_routes_name_a_parametrization_as_the_reason_it_falls_back(registered):
                         nn.Linear(4, 2)).double()
     X = torch.randn(4, 3, dtype=torch.float64)
     routes = layer_routes(net, X)
+    # The layer's own raw bias, read by its F.linear, is a free parameter on the Linear
+    # rule's site (._parameters.product_site); the parametrization's tensors fall back.
     assert [(r.name, r.route) for r in routes] == [
-        ("0", "fallback"), ("0.parametrizations.weight", "fallback"), ("2", "rule")]
-    assert routes[0].reason.startswith("a parametrization (torch.nn.utils.parametrize")
-    assert "computes weight from other parameters" in routes[0].reason
+        ("0", "rule"), ("0.parametrizations.weight", "fallback"), ("2", "rule")]
     assert routes[1].reason.startswith("the parameters of a parametrization")
     assert all("register_rule" not in r.reason and "raw nn.Parameter" not in r.reason
                for r in routes)
@@ -236,10 +236,13 @@ def test_bad_registrations():
 
 class _MyLinear(nn.Linear):
     """A subclass overriding forward: not covered by nn.Linear's rule until registered
-    (one keeping nn.Linear's forward takes its rule: tests/test_rules_inherited.py)."""
+    (one keeping nn.Linear's forward takes its rule: tests/test_rules_inherited.py). Its
+    weight passed by keyword, which nn.Linear's rule takes and a free parameter's matrix
+    product does not (``F.linear(x, self.weight, self.bias)`` would be one:
+    ._parameters.product_site)."""
 
     def forward(self, x):
-        return super().forward(x)
+        return nn.functional.linear(x, weight=self.weight, bias=self.bias)
 
 
 def test_a_subclass_falls_back_until_registered(registered):
@@ -256,8 +259,8 @@ class Linear(nn.Linear):
     """A library's subclass named as torch's layer, overriding forward (as timm's
     LayerNorm does; nn.LayerNorm's rule now reaches such subclasses, nn.Linear's not)."""
 
-    def forward(self, x):
-        return nn.functional.linear(x, self.weight, self.bias)
+    def forward(self, x):  # the weight by keyword, as _MyLinear's
+        return nn.functional.linear(x, weight=self.weight, bias=self.bias)
 
 
 def test_a_subclass_named_as_its_base_is_told_apart_from_it():
@@ -466,7 +469,7 @@ def test_the_user_guide_code_runs(registered):
 
 class _MaskBranch(nn.Module):
     """A Hugging Face model's pattern: the forward branches on its mask's values (which
-    torch.func's vmap refuses), and a small raw parameter read by a matrix product (a
+    torch.func's vmap refuses), and a small raw parameter read by a tensordot (a
     position table read by rows that are not the samples, in the trial) falls back."""
 
     def __init__(self, n_outputs=2):
@@ -478,7 +481,7 @@ class _MaskBranch(nn.Module):
 
     def forward(self, ids):
         mask = (ids != 0).unsqueeze(-1).to(self.mix.dtype)
-        h = torch.tanh(self.body(self.emb(ids)) @ self.mix)
+        h = torch.tanh(torch.tensordot(self.body(self.emb(ids)), self.mix, dims=1))
         if (mask == 1).all():  # data-dependent control flow, as HF's mask code has
             pooled = h.mean(1)
         else:
@@ -506,14 +509,14 @@ def test_routes_and_the_fit_say_when_the_fallback_cannot_batch_the_network():
     with pytest.warns(FallbackWarning, match=r"(?s)cannot batch.*one sample and output"):
         est.fit(ids.numpy(), np.arange(6.0))
     # Where vmap batches it, the reason is the fallback's own, and a small share is quiet.
-    module.forward = lambda ids: module.head(torch.tanh(module.body(module.emb(ids))
-                                                        @ module.mix).mean(1))
+    module.forward = lambda ids: module.head(torch.tanh(torch.tensordot(
+        module.body(module.emb(ids)), module.mix, dims=1)).mean(1))
     (route,) = [r for r in layer_routes(module, ids) if r.route == "fallback"]
     assert not route.loops and "cannot batch" not in route.reason
 
 
 class _WideFallback(nn.Module):
-    """A raw matrix read by a matrix product (the fallback) under a head of many outputs,
+    """A raw matrix read by a tensordot (the fallback) under a head of many outputs,
     as an ImageNet classifier's 1000."""
 
     def __init__(self, width=48, n_outputs=200):
@@ -523,7 +526,8 @@ class _WideFallback(nn.Module):
         self.head = nn.Linear(width, n_outputs)
 
     def forward(self, x):
-        return self.head(torch.tanh(torch.tanh(self.inp(x)) @ self.mix))
+        return self.head(torch.tanh(torch.tensordot(torch.tanh(self.inp(x)), self.mix,
+                                                    dims=1)))
 
 
 def test_the_batching_probe_differentiates_one_output_whatever_their_number(monkeypatch):

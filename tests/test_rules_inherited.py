@@ -14,6 +14,7 @@ from torch.nn.utils import parametrizations
 
 from skpathkernel._tangent import tangent_features, tangent_gram
 from skpathkernel._tangent._layers import _in_out_factors
+from skpathkernel._tangent._rules import rule_for
 from skpathkernel.rules import (
     Rule,
     check_rule,
@@ -105,6 +106,13 @@ class _ConvForward(nn.Conv2d):
         return super()._conv_forward(x, weight, bias) ** 2
 
 
+class _ScaledConv(nn.Conv2d):
+    """Overrides forward: twice nn.Conv2d's output."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
 def test_a_subclass_overriding_forward_falls_back_until_registered(registered):
     module = nn.Sequential(
         _Scaled(3, 4),
@@ -115,14 +123,18 @@ def test_a_subclass_overriding_forward_falls_back_until_registered(registered):
         nn.Linear(2, 1),
     ).double()
     X = torch.randn(4, 3, dtype=torch.float64)
-    routes = _check(module, X, [("0", "fallback"), ("3", "fallback"), ("5", "rule")])
-    name = f"{__name__}._Scaled"
-    assert routes[0].reason == (
-        f"no rule for {name}: it overrides forward of nn.Linear, whose rule covers the "
-        "subclasses that keep its forward; if its forward reads its parameters in one "
-        f"call of linear as nn.Linear's does, register_rule({name}, get_rule(nn.Linear))"
-    )
+    # _Scaled's weight and bias, read by one F.linear as raw parameters of a layer
+    # without a rule, are sites of the Linear rule already (free parameters read by a
+    # matrix product, ._parameters.product_site).
+    routes = _check(module, X, [("0", "rule"), ("3", "fallback"), ("5", "rule")])
     assert "it overrides _conv_forward of nn.Conv2d" in routes[1].reason
+    name = f"{__name__}._ScaledConv"
+    (route,) = layer_routes(_ScaledConv(1, 2, 2).double(), torch.randn(3, 1, 3, 3).double())
+    assert route.route == "fallback" and route.reason == (
+        f"no rule for {name}: it overrides forward of nn.Conv2d, whose rule covers the "
+        "subclasses that keep its forward; if its forward reads its parameters in one "
+        f"call of conv2d as nn.Conv2d's does, register_rule({name}, get_rule(nn.Conv2d))"
+    )
     registered(_Scaled, get_rule(nn.Linear))
     registered(_ConvForward, get_rule(nn.Conv2d))
     _check(module, X, [("0", "rule"), ("3", "rule"), ("5", "rule")])
@@ -135,10 +147,12 @@ def test_a_parametrized_layer_keeps_the_fallback():
         nn.Linear(3, 2), nn.Tanh(), parametrizations.weight_norm(nn.Linear(2, 2))
     ).double()
     X = torch.randn(4, 3, dtype=torch.float64)
+    # The layer's own raw bias, read by its F.linear, is a site of the Linear rule
+    # (a free parameter read by a matrix product); the weight's parametrization falls back.
     routes = _check(
-        module, X, [("0", "rule"), ("2", "fallback"), ("2.parametrizations.weight", "fallback")]
+        module, X, [("0", "rule"), ("2", "rule"), ("2.parametrizations.weight", "fallback")]
     )
-    assert routes[1].reason.startswith("a parametrization")
+    assert routes[2].reason.startswith("the parameters of a parametrization")
 
 
 class _Base(nn.Module):
@@ -157,8 +171,12 @@ class _Child(_Base):
 def test_a_rule_registered_later_reaches_subclasses_looked_up_before(registered):
     module = nn.Sequential(_Child(), nn.Tanh(), nn.Linear(2, 1)).double()
     X = torch.randn(4, 3, dtype=torch.float64)
-    assert layer_routes(module, X)[0].route == "fallback"
-    registered(_Base, transposed_linear_rule(weight="w"))
+    # Without a rule, its raw w read by x @ w is a free parameter on the Linear rule's site.
+    assert layer_routes(module, X)[0].route == "rule"
+    assert rule_for(_Child) is None
+    rule = transposed_linear_rule(weight="w")
+    registered(_Base, rule)
+    assert rule_for(_Child) is rule
     _check(module, X, [("0", "rule"), ("2", "rule")])
 
 
@@ -215,15 +233,9 @@ def test_the_transposed_linear_rule_matches_the_loop(registered):
     module = _Block().double()
     X = torch.randn(6, 5, 8, dtype=torch.float64)
     names = ["ln", "c_attn", "c_proj", "c_fc", "mlp_proj", "head"]
-    routes = _check(
-        module,
-        X,
-        [
-            (n, "fallback" if n in ("c_attn", "c_proj", "c_fc", "mlp_proj") else "rule")
-            for n in names
-        ],
-    )
-    assert routes[1].reason == "no rule registered for Conv1D"
+    # Unregistered, their raw weights and biases are free parameters read by torch.addmm
+    # and x @ W: sites of the same rule already (._parameters.product_site).
+    _check(module, X, [(n, "rule") for n in names])
     registered(Conv1D, transposed_linear_rule())
     registered(_MatMul, transposed_linear_rule())
     _check(module, X, [(n, "rule") for n in names])
@@ -350,8 +362,11 @@ def test_a_class_patched_after_a_lookup_is_seen():
     X = torch.randn(6, 4, dtype=torch.float64)
     assert layer_routes(module, X)[0].route == "rule"
     # The rows reversed around the call: each row's factors are another sample's (the
-    # shapes agree; only the autograd probe, left out here, would see it).
-    Lin.forward = lambda self, x: F.linear(x.flip(0), self.weight, self.bias).flip(0)
+    # shapes agree; only the autograd probe, left out here, would see it). The parameters
+    # are scaled first: read by F.linear alone they would be free parameters on the Linear
+    # rule's site, whose rows only that probe checks too, as every rule site's.
+    Lin.forward = lambda self, x: F.linear(x.flip(0), self.weight * 1,
+                                           self.bias * 1).flip(0)
     assert "it overrides forward of nn.Linear" in layer_routes(module, X)[0].reason
     assert _features_unchecked(module, X) < 1e-12
 
@@ -416,8 +431,10 @@ def test_abc_and_generic_bases_keep_the_rule():
 
 
 class _ConvForward1D(Conv1D):
+    # Its weight read by an einsum: no rule, and no free parameter's site either (x @ W
+    # would be one, ._parameters.product_site).
     def forward(self, x):
-        return super().forward(x) * 2
+        return torch.einsum("nsi,io->nso", x, self.weight) + self.bias
 
 
 def test_the_reason_names_each_operation_once(registered):

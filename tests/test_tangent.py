@@ -59,8 +59,8 @@ class _RawParameter(nn.Module):
 
 
 class _RawUnstructured(nn.Module):
-    """Raw parameters read by a matrix product (no rule) and twice (two elementwise
-    sites, summed)."""
+    """Raw parameters read by a tensordot (no rule; ``x @ mix`` would be a site of the
+    Linear rule, ._parameters.product_site) and twice (two elementwise sites, summed)."""
 
     def __init__(self, n_out):
         super().__init__()
@@ -70,7 +70,7 @@ class _RawUnstructured(nn.Module):
         self.head = nn.Linear(8, n_out)
 
     def forward(self, x):
-        h = torch.tanh(self.lin(x) @ self.mix)
+        h = torch.tanh(torch.tensordot(self.lin(x), self.mix, dims=1))
         return self.head(h * self.gain + torch.tanh(h * self.gain))
 
 

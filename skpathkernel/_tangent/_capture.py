@@ -26,8 +26,11 @@ Parameters that no rule layer holds (a class token, a position embedding, a gain
 as a raw ``nn.Parameter``) are watched too: each read through a registered elementwise
 operation (:mod:`._parameters`), of the parameter or of a slice of it
 (``x + self.pos[:, :L]``), broadcast over the samples, is a site whose backprop
-gives their per-sample gradient (summed over the sites of a parameter read twice); any
-other read leaves them to the fallback.
+gives their per-sample gradient (summed over the sites of a parameter read twice); a
+2-D one read as a linear map's weight (``F.linear(x, P)``, ``x @ P``, ``x @ P.T``, with
+the samples leading in ``x``), or a bias read with it, makes that call a site of the
+Linear rule, factored as an ``nn.Linear``'s call; any other read leaves them to the
+fallback.
 """
 
 from __future__ import annotations
@@ -67,7 +70,18 @@ from ._layers import (
     formed_terms,
     site_sums,
 )
-from ._parameters import broadcast_over_samples, parameter_site, parameter_view, scattered
+from ._parameters import (
+    PRODUCT_NO_GRAD,
+    PRODUCT_OPS,
+    PRODUCT_OTHER,
+    TRANSPOSED,
+    broadcast_over_samples,
+    parameter_site,
+    parameter_view,
+    product_site,
+    scattered,
+    transposed_view,
+)
 from ._rules import Rule, Term, Use, rule_for
 from ._saved import SavedWatch, differentiable_forward
 from ._saved import tensors as _tensors
@@ -82,6 +96,7 @@ SHARED = ("a parameter of it is shared with a layer that goes to the fallback ({
           "use of it is factored")
 FREE_UNSTRUCTURED = ("a raw nn.Parameter read in its forward by an elementwise +, * or expand "
                      "(of it or of a slice of it) that is not broadcast over the samples")
+NOT_SAMPLES = "the rows of its input are not the samples"
 
 
 # Embedding lookups whose backward divides a row's gradient by its token's count in the
@@ -425,6 +440,11 @@ class _UseWatch(TorchFunctionMode):
         self.values_read = False
         self.free_sites: dict[str, list] = {}
         self.free_misses: set[str] = set()
+        # Matrix products reading free parameters as a linear map's weight and bias
+        # (:func:`._parameters.product_site`), as ``(rule, names, use, sites)``; and why a
+        # product that is none missed, by parameter (layer_routes says it).
+        self.free_products: list[tuple] = []
+        self.free_why: dict[str, str] = {}
         # The own call must take every differentiated parameter of its layer: the rule
         # gives each of them a term.
         self.expected: dict[int, set[str]] = {}
@@ -512,12 +532,19 @@ class _UseWatch(TorchFunctionMode):
         one of them or on a basic-indexing view of one, with grad enabled; such a view
         (``self.pos[:, :L]``) is watched in its turn; else a miss (the parameter falls
         back)."""
+        if func in PRODUCT_OPS:
+            return self._product_call(func, args, kwargs, free)
         site = index = None
         name, read = free[0]
         if len(free) == 1 and torch.is_grad_enabled():
             site = parameter_site(func, args, kwargs, read)
-            if site is None and id(read) not in self.views and not self.values_read:
-                index = parameter_view(func, args, kwargs, read)
+            if site is None and id(read) not in self.views:
+                # P.T takes no bounds, so values read before it do not matter.
+                index = (TRANSPOSED if transposed_view(func, args, kwargs, read)
+                         else None if self.values_read
+                         else parameter_view(func, args, kwargs, read))
+        if site is not None and self.views.get(id(read)) == TRANSPOSED:
+            site = None  # P.T is read as a site by a matrix product only
         out = func(*args, **kwargs)
         if not isinstance(out, torch.Tensor) or not out.requires_grad:
             site = index = None
@@ -534,6 +561,33 @@ class _UseWatch(TorchFunctionMode):
             return out
         if any(not torch.is_grad_enabled() or o.requires_grad for o in _tensors(out)):
             self.free_misses.update(name for name, _ in free)
+        return out
+
+    def _product_call(self, func, args, kwargs, free):
+        """A matrix product reading free parameters: a site of the Linear rule
+        (:func:`._parameters.product_site`) where it reads them as a linear map's weight
+        (and bias) with grad enabled, handed on as a copy as every site's output; else a
+        miss, with its reason."""
+        found = (product_site(func, args, kwargs, {id(t): name for name, t in free},
+                              self.views) if torch.is_grad_enabled() else PRODUCT_NO_GRAD)
+        if not isinstance(found, str):
+            rule, names, expand = found
+            # A matrix product runs as the transposed rule's expand, which hands on its
+            # own copy of z; F.linear as one site (x, result), copied here.
+            run = (expand(None, func, args, kwargs) if expand is not None
+                   else (func(*args, **kwargs), [(args[0], None)]))
+            if run is None:
+                found = PRODUCT_OTHER  # arguments the expand declines
+            else:
+                out, ((a, z),) = run
+                z = out if z is None else z
+                self.free_products.append((rule, names, Use(func, args, kwargs, (a,)), (z,)))
+                return out.clone() if out is z else out
+        out = func(*args, **kwargs)
+        if any(not torch.is_grad_enabled() or o.requires_grad for o in _tensors(out)):
+            for name, _ in free:
+                self.free_misses.add(name)
+                self.free_why.setdefault(name, found)
         return out
 
     def _own_call(self, top: _Frame, func, args, kwargs):
@@ -885,7 +939,8 @@ def capture(
     # Taken now: the backward passes free the graph, and what it holds with it.
     alive = saved.alive() if measure_graph else ()
     accepted, declined = _accepted_layers(layers, watch, X, reasons)
-    sites = _accepted_free(free, watch, params, X, reasons, declined)
+    sites, products = _accepted_free(free, watch, params, X, reasons, declined)
+    accepted += products
     state = (f, exclude, accepted, declined, sites, reasons, watch.copy)
     if kept is not None and not last:
         kept["forward"] = state
@@ -1018,7 +1073,7 @@ def _accepted_layers(layers, watch, X, reasons):
                                for use, zs in calls for t in (*use.inputs, *zs)):
             # Rows that are not the samples (a constant input, a subset of the rows, a
             # batch that is not the first axis): the factors cannot be per-sample.
-            why = "the rows of its input are not the samples"
+            why = NOT_SAMPLES
         if why is not None:
             why_of[id(layer)] = why
     # A declined layer takes the layers it shares a parameter with along (to a fixed
@@ -1052,21 +1107,36 @@ def _accepted_free(free, watch, params, X, reasons, declined):
     """The sites of the free parameters read only by registered operations, broadcast
     over the samples, as ``(name, op, operand, shape, index, z)`` (one per read: a
     parameter read twice has two, whose gradients are summed; ``index`` the view's of a
-    read through one, of ``shape``, else None); the others join ``declined`` (every block then
-    routes them to the fallback alike)."""
+    read through one, of ``shape``, else None), and the matrix products reading them as
+    accepted rule calls ``(None, rule, names, use, sites)`` (:meth:`_UseWatch._product_call`,
+    ``names`` cut to the accepted parameters); the others join ``declined`` (every block
+    then routes them to the fallback alike)."""
     accepted = []
+    n = X.shape[0]
     for name in free:
         calls = watch.free_sites.get(name, [])
-        if name in watch.free_misses or not calls:
+        products = [(use, zs) for _, names, use, zs in watch.free_products
+                    if name in names.values()]
+        if name in watch.free_misses or not (calls or products):
             declined.add(name)  # the fallback's own reason (layer_routes) says why
+            if name in watch.free_why:
+                reasons[name] = watch.free_why[name]
             continue
-        if not all(broadcast_over_samples(shape, z, X.shape[0])
-                   for *_, shape, _, z in calls):
+        if not all(broadcast_over_samples(shape, z, n) for *_, shape, _, z in calls):
             declined.add(name)
             reasons[name] = FREE_UNSTRUCTURED
             continue
+        if any(t.shape[0] != n for use, zs in products for t in (*use.inputs, *zs)):
+            declined.add(name)
+            reasons[name] = NOT_SAMPLES
+            continue
         accepted.extend((name, *call) for call in calls)
-    return accepted
+    products = []
+    for rule, names, use, zs in watch.free_products:
+        names = {key: name for key, name in names.items() if name not in declined}
+        if names:
+            products.append((None, rule, names, use, zs))
+    return accepted, products
 
 
 def _rule_terms(f, accepted, outputs, weights, params, reasons, free=(),
@@ -1120,12 +1190,6 @@ def _rule_terms(f, accepted, outputs, weights, params, reasons, free=(),
                 if terms is None:
                     terms = rule.factors(layer, use, layer_deltas, names)
             uses.extend(_checked_terms(terms, layer, names, params))
-        with torch.no_grad():
-            terms_by_name = _summed_uses(uses)
-        for *_, names, _, _ in accepted:
-            for name in names.values():
-                if name not in terms_by_name:
-                    reasons[name] = "its rule gives this parameter no term"
         sums: dict[str, torch.Tensor] = {}
         for name, op, operand, shape, index, _ in free:
             delta = next(deltas)
@@ -1139,8 +1203,15 @@ def _rule_terms(f, accepted, outputs, weights, params, reasons, free=(),
             if g.untyped_storage().data_ptr() == delta.untyped_storage().data_ptr():
                 g = g.clone()  # its own memory, as every delta's (see _own_memory)
             sums[name] = g
-        for name, g in sums.items():
-            terms_by_name[name] = Term(delta=g, inputs=[(name, None)])
+        # Summed with the terms of the uses: a free parameter read by a matrix product
+        # (a rule call above) and elementwise too gets the sum of both.
+        uses.extend(Term(delta=g, inputs=[(name, None)]) for name, g in sums.items())
+        with torch.no_grad():
+            terms_by_name = _summed_uses(uses)
+        for *_, names, _, _ in accepted:
+            for name in names.values():
+                if name not in terms_by_name:
+                    reasons[name] = "its rule gives this parameter no term"
     return terms_by_name
 
 

@@ -1,4 +1,4 @@
-"""Rules for raw parameters used directly in elementwise operations.
+"""Rules for raw parameters used directly in elementwise operations and matrix products.
 
 Networks hold parameters outside any layer with a rule: a class token concatenated to the
 patch tokens (``self.cls_token.expand(n, -1, -1)``), a position embedding added to them
@@ -31,8 +31,26 @@ torch functions that reach :class:`torch.overrides.TorchFunctionMode` for it
 (``x + P`` arrives as ``Tensor.add``). The result is a term with a constant input (the
 parameter's gradient is its ``delta``), contracted as dense rows of ``P.numel()``.
 
-A free parameter read in any other way (a view of a view included), under disabled grad,
-or not broadcast over the samples goes to the generic fallback, as before.
+A free 2-D parameter read as the weight of a linear map, ``F.linear(x, P)``, ``x @ P.T``
+(``P.t()``, ``P.mT``, ``P.transpose(0, 1)``: ``P`` is ``(out, in)``), ``x @ P``,
+``torch.matmul(x, P)``, ``torch.mm``, ``torch.addmm(b, x, P)`` (``P`` is ``(in, out)``),
+with the samples leading in ``x`` (``(n, ..., in)``, ``P`` broadcast over the samples and
+any sequence axes; or its rows flattened, ``x.view(-1, in)``, as Hugging Face's
+``Conv1D`` reads them), runs as a site of the Linear rule itself (:func:`product_site`):
+its per-sample gradient is ``sum_s delta_s (outer) x_s``, ``nn.Linear``'s (transposed for
+``(in, out)``), and the capture hands the call to that rule's ``factors`` (and, for a
+matrix product, the transposed rule's ``expand``), so the term keeps its two factors
+(input ``x``, backprop ``delta``) and the Gram contracts them as a Linear's. A raw bias
+read by the same ``F.linear`` or ``torch.addmm`` is that term's bias. This covers a
+hand-written LoRA (``x @ self.A.T @ self.B.T``), ``x @ self.W + self.b``, attention with
+raw ``Wq``, ``Wk``, ``Wv``, and a ``Linear`` subclass overriding ``forward`` with
+``F.linear(x, self.weight, self.bias)``. A parameter read by a product and elementwise,
+or by two products, gets the sum of its terms (:func:`._capture._summed_uses`).
+
+A free parameter read in any other way (a view of a view included; ``P @ x``, a batched
+``P``, ``torch.einsum``, a slice of ``P`` read by a product, the weight passed by keyword),
+under disabled grad, or not broadcast over the samples goes to the generic fallback, as
+before; a product's read says why (``PRODUCT_*``, shown by ``layer_routes``).
 """
 
 from __future__ import annotations
@@ -41,9 +59,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["PARAMETER_OPS", "PARAMETER_VIEWS", "ParameterOp", "register_parameter_op",
-           "register_parameter_view", "scattered", "sum_to_shape"]
+from ._layers import _IN_OUT_OPS, LINEAR, transposed_linear_rule
+from ._rules import Rule
+
+__all__ = ["PARAMETER_OPS", "PARAMETER_VIEWS", "PRODUCT_OPS", "TRANSPOSED", "ParameterOp",
+           "product_site", "register_parameter_op", "register_parameter_view", "scattered",
+           "sum_to_shape", "transposed_view"]
 
 
 @dataclass(frozen=True)
@@ -219,3 +242,105 @@ def broadcast_over_samples(shape: torch.Size, z: torch.Tensor, n: int) -> bool:
     if z.ndim == 0 or z.shape[0] != n or len(shape) > z.ndim:
         return False
     return len(shape) < z.ndim or shape[0] == 1
+
+
+# ------------------------------------------------------------------ matrix products
+# A free 2-D parameter read as the weight of a linear map, ``F.linear(x, P[, b])``,
+# ``x @ P``, ``torch.matmul(x, P)``, ``torch.addmm(b, x, P)`` or any of these with ``P.T``:
+# its per-sample gradient is the Linear rule's, so the call is run as a site of that rule
+# (``LINEAR``: the weight ``(out, in)``, or the transposed one ``(in, out)``), whose
+# factors (input ``x``, backprop ``delta``) give the term.
+IN_OUT = transposed_linear_rule()
+PRODUCT_OPS = frozenset((F.linear, *_IN_OUT_OPS))
+
+# The watched view ``P.T`` of a free parameter (``P.t()``, ``P.mT``, ``P.transpose(0, 1)``)
+# is marked by this in place of a basic index: only a matrix product reads it as a site.
+TRANSPOSED = "T"
+_TRANSPOSES = frozenset((torch.Tensor.T.__get__, torch.Tensor.mT.__get__, torch.Tensor.t,
+                         torch.t))
+
+# Why a matrix product reading a free parameter is not such a site (layer_routes says it).
+PRODUCT_LEFT = ("a raw nn.Parameter read as the left factor of a matrix product (P @ x), "
+                "whose rows are then not the samples; only x @ P, x @ P.T and "
+                "F.linear(x, P[, b]) with the samples leading in x are structured")
+PRODUCT_SHAPE = ("a raw nn.Parameter read by a matrix product as a weight that is not 2-D "
+                 "(a batched P), or by one whose input x has fewer than 2 axes (no sample "
+                 "axis), or as a bias that is not of shape (out,) (broadcast)")
+PRODUCT_VIEW = ("a raw nn.Parameter read by a matrix product through a view other than P.T "
+                "(a slice of it, it reshaped)")
+PRODUCT_NO_GRAD = "a raw nn.Parameter read by a matrix product under disabled grad"
+PRODUCT_OTHER = ("a raw nn.Parameter read by a matrix product in a call whose arguments are "
+                 "not (x, P[, b]) as x @ P, x @ P.T or F.linear(x, P[, b]) take them")
+
+
+def transposed_view(func, args, kwargs, param: torch.Tensor) -> bool:
+    """Whether ``func(*args, **kwargs)`` takes the transpose of the 2-D ``param``."""
+    if kwargs or not args or args[0] is not param or param.ndim != 2:
+        return False
+    if func in _TRANSPOSES:
+        return len(args) == 1
+    if func in (torch.Tensor.transpose, torch.transpose):
+        return (len(args) == 3 and all(type(d) is int and -2 <= d < 2 for d in args[1:])
+                and args[1] % 2 != args[2] % 2)
+    return False
+
+
+def _bias_of(func, args, kwargs):
+    """The bias argument of a linear call and the rest: ``(x, w, b)``, None where the
+    call passes arguments this reading does not know."""
+    if func is F.linear:
+        if set(kwargs) - {"bias"} or not 2 <= len(args) <= 3:
+            return None
+        return args[0], args[1], args[2] if len(args) == 3 else kwargs.get("bias")
+    if func is torch.addmm:
+        if kwargs or len(args) != 3:
+            return None
+        return args[1], args[2], args[0]
+    if kwargs or len(args) != 2:
+        return None
+    return args[0], args[1], None
+
+
+def product_site(func, args, kwargs, free: dict[int, str], views: dict[int, tuple | str]
+                 ) -> tuple[Rule, dict[str, str], Callable | None] | str:
+    """How the matrix product ``func(*args, **kwargs)`` (``func`` one of ``PRODUCT_OPS``)
+    reads the free parameters ``free`` (their names by the id of the tensor read, a
+    parameter or a view of one with its index or ``TRANSPOSED`` in ``views``).
+
+    Returns ``(rule, names, expand)``: the rule whose factors give the gradient (the
+    Linear's for a weight ``(out, in)``: ``F.linear(x, P)``, ``x @ P.T``; the transposed
+    one for ``(in, out)``: ``x @ P``, ``F.linear(x, P.T)``), the parameters it covers
+    (``{"weight": ..., "bias": ...}``), and the ``expand`` the call runs as (a matrix
+    product's: the transposed rule's, which reads an input's rows flattened as
+    ``x.view(-1, d)`` sample by sample), or None where it is one site ``(x, result)``
+    (``F.linear``); else why not.
+    """
+    parts = _bias_of(func, args, kwargs)
+    if parts is None:
+        return PRODUCT_OTHER
+    x, w, b = parts
+    if isinstance(x, torch.Tensor) and id(x) in free:
+        return PRODUCT_LEFT
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)):
+        return PRODUCT_OTHER
+    if w.ndim != 2 or x.ndim < 2:
+        return PRODUCT_SHAPE
+    names = {}
+    transposed = func is not F.linear
+    if id(w) in free:
+        view = views.get(id(w))
+        if view is not None and view != TRANSPOSED:
+            return PRODUCT_VIEW
+        transposed ^= view == TRANSPOSED
+        names["weight"] = free[id(w)]
+    if isinstance(b, torch.Tensor) and id(b) in free:
+        if id(b) in views:
+            return PRODUCT_VIEW
+        # F.linear broadcasts a bias of shape (1,) or (n, out); the rule's bias term is
+        # one entry per output feature.
+        if tuple(b.shape) != (w.shape[0 if func is F.linear else 1],):
+            return PRODUCT_SHAPE
+        names["bias"] = free[id(b)]
+    if len(names) != sum(isinstance(t, torch.Tensor) and id(t) in free for t in (x, w, b)):
+        return PRODUCT_OTHER
+    return IN_OUT if transposed else LINEAR, names, None if func is F.linear else IN_OUT.expand

@@ -170,7 +170,8 @@ def _no_rule_reason(layer: nn.Module) -> str:
     if next(layer.children(), None) is not None:
         return (f"parameters held by {kind.__name__} itself, which has no rule (a raw "
                 "nn.Parameter used in its forward, other than in an elementwise +, * or "
-                "expand of it, of a slice of it or of it reshaped)")
+                "expand of it, of a slice of it or of it reshaped, or as the weight or bias "
+                "of x @ P, x @ P.T or F.linear(x, P, b))")
     return f"no rule registered for {kind.__name__}"
 
 
@@ -274,7 +275,10 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
             routes.append(LayerRoute(prefix, type(layer).__name__, "rule", size, ""))
             continue
         why = next((reasons[n] for n in falls if n in reasons), None)
-        if why is None:
+        if why is None or (rule_for(type(layer)) is None
+                           and registered_ancestor(type(layer)) is not None):
+            # A subclass of a rule layer: registering its ancestor's rule for it is the
+            # way to a rule, whatever its raw parameters' reads say.
             why = (_no_rule_reason(layer) if rule_for(type(layer)) is None
                    else "its rule gives a parameter no term")
         if loops is not None:

@@ -227,8 +227,10 @@ class Rule:
 
     Examples
     --------
-    A rule for a layer that reads its weight through ``F.linear``: the gradient of
-    ``z = a W^T`` is the outer product of ``z``'s backprop and the input ``a``.
+    A rule for a layer that reads its weight through ``torch.tensordot``: the gradient of
+    ``z = a W^T`` is the outer product of ``z``'s backprop and the input ``a``. (Read by
+    ``F.linear(x, self.weight)`` or ``x @ self.weight.T``, a raw weight needs no rule: it
+    is a site of the Linear rule, see :mod:`._parameters`.)
 
     >>> import torch
     >>> import torch.nn.functional as F
@@ -239,14 +241,14 @@ class Rule:
     ...         super().__init__()
     ...         self.weight = nn.Parameter(torch.randn(2, 3))
     ...     def forward(self, x):
-    ...         return F.linear(x, self.weight)
+    ...         return torch.tensordot(x, self.weight, dims=([1], [1]))
     >>> def factors(layer, use, deltas, names):
     ...     return [Term(deltas[0], [(names["weight"], use.inputs[0])])]
     >>> net = nn.Sequential(Proj(), nn.Tanh(), nn.Linear(2, 1))
     >>> X = torch.randn(4, 3)
     >>> [route.route for route in layer_routes(net, X)]
     ['fallback', 'rule']
-    >>> register_rule(Proj, Rule(ops=(F.linear,), factors=factors))
+    >>> register_rule(Proj, Rule(ops=(torch.tensordot,), factors=factors))
     >>> [route.route for route in layer_routes(net, X)]
     ['rule', 'rule']
     >>> bool(check_rule(net, X) < 1e-8)
@@ -287,7 +289,10 @@ def register_rule(module_type: type, rule: Rule) -> None:
     Examples
     --------
     A subclass of ``nn.Linear`` that keeps ``nn.Linear``'s ``forward`` takes its rule; one
-    that overrides it is registered once its ``forward`` is known to make the same call:
+    that overrides it (here of ``nn.Conv1d``) is registered once its ``forward`` is known
+    to make the same call (a ``Linear`` subclass whose ``forward`` calls
+    ``F.linear(x, self.weight, self.bias)`` needs none: its raw parameters are then sites
+    of the Linear rule, see :mod:`._parameters`):
 
     >>> import torch
     >>> import torch.nn.functional as F
@@ -297,13 +302,13 @@ def register_rule(module_type: type, rule: Rule) -> None:
     ...     pass
     >>> layer_routes(MyLinear(3, 2), torch.randn(4, 3))[0].route
     'rule'
-    >>> class Scaled(nn.Linear):
+    >>> class Scaled(nn.Conv1d):
     ...     def forward(self, x):
-    ...         return 2 * F.linear(x, self.weight, self.bias)
-    >>> layer_routes(Scaled(3, 2), torch.randn(4, 3))[0].route
+    ...         return 2 * F.conv1d(x, self.weight, self.bias)
+    >>> layer_routes(Scaled(3, 2, 3), torch.randn(4, 3, 5))[0].route
     'fallback'
-    >>> register_rule(Scaled, get_rule(nn.Linear))
-    >>> layer_routes(Scaled(3, 2), torch.randn(4, 3))[0].route
+    >>> register_rule(Scaled, get_rule(nn.Conv1d))
+    >>> layer_routes(Scaled(3, 2, 3), torch.randn(4, 3, 5))[0].route
     'rule'
     """
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):

@@ -662,3 +662,41 @@ def test_reference_outputs_that_view_the_parameters_stay_those_of_their_point():
     assert len({float(f[0, 0]) for f in fs}) == len(traj)  # the path moves b
     for t, f in enumerate(fs):
         assert_array_equal(f.numpy(), traj.parameters(t).double().expand(3, 1).numpy())
+
+
+class _RepeatedActivations(torch.nn.Module):
+    """``Linear(4, 16)``, ``.repeat(1, 2048)``, ``exp(sin(tanh(.)))``, summed: factors of
+    640 bytes a row, a graph of 512 kB a row (float64)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 16).double()
+
+    def forward(self, x):
+        return torch.exp(torch.sin(torch.tanh(self.lin(x).repeat(1, 2048)))).sum(1, keepdim=True)
+
+
+def test_tangent_gram_blocks_count_the_forward_graph():
+    """The blocks were sized by the factors alone (four times them), and this network's
+    graph is 800 times its factors: one block of all 32 rows at any budget, torch's peak
+    32 MiB at an 8 MiB budget (the reviewer's float32 ``.repeat(1, 8192)`` network: 512
+    MiB at 8 to 128 MiB, ``benchmarks/results/memory_repeat-s54.md``). Now twice the
+    graph counts: the peak stays within the budget (the check of the first rows
+    included), and the Gram is the per-sample autograd reference's, J J^T in float64."""
+    from skpathkernel._tangent._gram import tangent_gram
+
+    torch.manual_seed(0)
+    net = _RepeatedActivations()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    X = torch.randn(32, 4, dtype=torch.float64)
+    budget = 8 * 2**20
+    tangent_gram(net, params, X[:3], memory_budget=budget)  # one-time allocations
+    K, peak = cpu_peak_bytes(lambda: tangent_gram(net, params, X, memory_budget=budget))
+    assert peak <= budget, (peak, budget)
+    J = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+        net(x[None]).sum(), list(net.parameters()))]) for x in X])
+    ref = (J @ J.T).numpy()
+    assert_allclose(K.numpy(), ref, rtol=0, atol=1e-12 * np.abs(ref).max())
+    # A budget under one row's need is refused, naming the bytes one sample needs.
+    with pytest.raises(ValueError, match="for a single sample"):
+        tangent_gram(net, params, X, memory_budget=2**20)

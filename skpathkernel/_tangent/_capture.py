@@ -185,8 +185,12 @@ class Capture:
     def capture_bytes(self) -> int:
         """What the capture of these rows holds at its peak, as the block and chunk plans
         estimate it: four times its factors (the graph, the backprops, the forming) and
-        the copy of its rows."""
-        return 4 * self.nbytes() + self.input_bytes
+        the copy of its rows; twice the graph where that is more (the saved tensors and
+        the backward's products of their size). A forward pass whose graph dwarfs its
+        factors (``Linear(8, 64)``, ``.repeat(1, 8192)``, then ``exp(sin(tanh(.)))``: 1
+        kB of factors, 4 MiB of graph a row) was sized by its factors alone: one block
+        of 64 rows, 512 MiB at any budget (``benchmarks/results/memory_repeat-s54.md``)."""
+        return max(4 * self.nbytes(), 2 * self.graph_bytes) + self.input_bytes
 
 
 def value_dtype(params: Mapping[str, torch.Tensor], X: torch.Tensor) -> torch.dtype:

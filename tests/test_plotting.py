@@ -1432,3 +1432,33 @@ def test_continuous_labels_that_are_not_numbers_are_refused_before_the_kernels(
     codes = (y == 1).astype(int)
     disp = KernelNeighborsDisplay(X, codes, X[:1], np.array([[0, 1, 2]]), continuous=True)
     assert disp.plot().colorbar_ is not None
+
+
+@pytest.mark.parametrize("index", range(3))
+@pytest.mark.parametrize("clear", [False, True])
+def test_a_redraw_without_its_colour_bar_removes_it_and_gives_the_room_back(index, clear):
+    """A redraw asking for no colour bar (colorbar=False, continuous=False, legend=False)
+    removes the display's previous bar, also after ax.clear() took the image or points it
+    maps: the axes get back the room of the same display drawn bar-less on a fresh
+    figure, the reference. (Their anchor stays the bar's, (1, 0.5): matplotlib's
+    Colorbar.remove restores the position, not the anchor.)"""
+    off = [{"colorbar": False}, {}, {"legend": False}][index]
+
+    def bar_less(disp):
+        if index == 1:
+            disp.continuous = False
+        return disp
+
+    reference = bar_less(_colour_bar_displays()[index]).plot(**off)
+    reference.figure_.canvas.draw()
+    disp = _colour_bar_displays()[index]
+    fig, ax = plt.subplots()
+    disp.plot(ax=ax)
+    assert len(fig.axes) == 2
+    if clear:
+        ax.clear()
+    bar_less(disp).plot(ax=ax, **off)
+    fig.canvas.draw()
+    assert disp.colorbar_ is None and fig.axes == [ax]
+    np.testing.assert_allclose(ax.get_position(original=True).bounds,
+                               reference.ax_.get_position(original=True).bounds)

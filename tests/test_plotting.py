@@ -1462,3 +1462,29 @@ def test_a_redraw_without_its_colour_bar_removes_it_and_gives_the_room_back(inde
     assert disp.colorbar_ is None and fig.axes == [ax]
     np.testing.assert_allclose(ax.get_position(original=True).bounds,
                                reference.ax_.get_position(original=True).bounds)
+
+
+def test_a_display_keeps_no_closed_figure_alive():
+    """Each plot() without an axes makes a figure; the display's notes of its drawings
+    (for a redraw) were kept on the display, keyed by axes, and held every figure it had
+    drawn alive after plt.close, as long as the display lived (d4342cd held only the
+    last). Reference: weak references to the figures, dead after a collection; the
+    redraw still works and the display still pickles."""
+    import gc
+    import pickle
+    import weakref
+
+    disp = _colour_bar_displays()[0]
+    figures = []
+    for _ in range(3):
+        disp.plot()
+        figures.append(weakref.ref(disp.figure_))
+        plt.close(disp.figure_)
+    gc.collect()
+    # The last one is the display's (ax_, figure_, im_), as scikit-learn's displays keep.
+    assert [f() for f in figures[:-1]] == [None, None] and figures[-1]() is not None
+    disp.plot()
+    fig, ax = disp.figure_, disp.ax_
+    disp.plot(ax=ax)
+    assert len(fig.axes) == 2
+    pickle.loads(pickle.dumps(disp))

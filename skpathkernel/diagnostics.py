@@ -21,15 +21,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from sklearn.frozen import FrozenEstimator
-from sklearn.pipeline import Pipeline
 from sklearn.utils import check_array, check_random_state
 from sklearn.utils._param_validation import HasMethods, validate_params
 from sklearn.utils.validation import check_consistent_length, check_is_fitted, column_or_1d
 
 from ._checkpoint import functional_call
 from ._device import forward_input
-from ._estimators._base import FittedNetworkMixin, _check_weights, data_like_fit
+from ._estimators._base import _check_weights, data_like_fit
 from ._memory import rows_per_block
 from ._modules import runs_module
 from ._network._trained import (
@@ -144,14 +142,13 @@ class HessianTracePath:
         return len(self.steps)
 
 
-# A Pipeline stands for its last step on the inputs the steps before it give (as for the
-# displays, pipeline_last_step). A FrozenEstimator forwards to the estimator it holds,
-# whose network network_of reads, as for the kernels and the displays. Any other
-# estimator passes validate_params so that network_of refuses it with its hint (a search,
-# a bag: the estimator inside to pass), as the kernels and the displays do:
-# validate_params' own message named private classes and no way out.
-_ESTIMATOR = [FittedNetworkMixin, RecordedNetwork, FrozenEstimator, Pipeline,
-              HasMethods(["fit"])]
+# Any estimator: network_of reads the network of a network estimator, of a
+# RecordedNetwork and of a FrozenEstimator's estimator; pipeline_last_step gives a
+# Pipeline's last step. Any other (a search, a bag) network_of refuses with its hint (the
+# estimator inside to pass), as the kernels and the displays do. The classes listed
+# beside HasMethods(["fit"]) before, all with fit, only named private classes in
+# validate_params' message.
+_ESTIMATOR = [HasMethods(["fit"])]
 
 _COMMON_CONSTRAINTS = {
     "estimator": _ESTIMATOR,

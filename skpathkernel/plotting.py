@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import uuid
 import warnings
 
 import numpy as np
@@ -72,7 +73,8 @@ def _axes(ax, display, colorbar=False):
     if ax is None:
         _, ax = plt.subplots()
     else:
-        artists, old = getattr(display, "_drawings", {}).get(ax, ((), None))
+        key = display.__dict__.get("_drawing_key")
+        artists, old = _drawings_on(ax).get(key, ((), None))
         if old is not None and old.ax in ax.figure.axes:
             if colorbar:
                 cax = old.ax
@@ -95,13 +97,23 @@ def _colorbar(fig, ax, cax, mappable):
     return fig.colorbar(mappable, ax=ax) if cax is None else fig.colorbar(mappable, cax=cax)
 
 
+def _drawings_on(ax):
+    """The displays' drawings on ``ax``, by display key (see :func:`_drawn`)."""
+    return ax.__dict__.setdefault("_skpathkernel_drawings", {})
+
+
 def _drawn(display, ax, fig, before):
     """Set ``display``'s ``ax_`` and ``figure_``, and note the artists its ``plot`` added
     to ``ax`` (its children not in ``before``) and its colour bar, for :func:`_axes` to
-    remove when ``display`` draws on ``ax`` again (after drawing elsewhere too)."""
-    drawings = display.__dict__.setdefault("_drawings", {})
-    drawings[ax] = ([a for a in ax.get_children() if a not in before],
-                    getattr(display, "colorbar_", None))
+    remove when ``display`` draws on ``ax`` again (after drawing elsewhere too).
+
+    The note is kept on ``ax``, under a key of the display's own: kept on the display,
+    keyed by axes, it held every figure the display had drawn (plot() in a loop, each
+    figure closed) alive as long as the display. A key, not the display's id, which a
+    later display could reuse; the figure and the display pickle as before."""
+    key = display.__dict__.setdefault("_drawing_key", uuid.uuid4().hex)
+    _drawings_on(ax)[key] = ([a for a in ax.get_children() if a not in before],
+                             getattr(display, "colorbar_", None))
     display.ax_, display.figure_ = ax, fig
     return display
 

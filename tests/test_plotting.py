@@ -1432,3 +1432,59 @@ def test_continuous_labels_that_are_not_numbers_are_refused_before_the_kernels(
     codes = (y == 1).astype(int)
     disp = KernelNeighborsDisplay(X, codes, X[:1], np.array([[0, 1, 2]]), continuous=True)
     assert disp.plot().colorbar_ is not None
+
+
+@pytest.mark.parametrize("index", range(3))
+@pytest.mark.parametrize("clear", [False, True])
+def test_a_redraw_without_its_colour_bar_removes_it_and_gives_the_room_back(index, clear):
+    """A redraw asking for no colour bar (colorbar=False, continuous=False, legend=False)
+    removes the display's previous bar, also after ax.clear() took the image or points it
+    maps: the axes get back the room of the same display drawn bar-less on a fresh
+    figure, the reference. (Their anchor stays the bar's, (1, 0.5): matplotlib's
+    Colorbar.remove restores the position, not the anchor.)"""
+    off = [{"colorbar": False}, {}, {"legend": False}][index]
+
+    def bar_less(disp):
+        if index == 1:
+            disp.continuous = False
+        return disp
+
+    reference = bar_less(_colour_bar_displays()[index]).plot(**off)
+    reference.figure_.canvas.draw()
+    disp = _colour_bar_displays()[index]
+    fig, ax = plt.subplots()
+    disp.plot(ax=ax)
+    assert len(fig.axes) == 2
+    if clear:
+        ax.clear()
+    bar_less(disp).plot(ax=ax, **off)
+    fig.canvas.draw()
+    assert disp.colorbar_ is None and fig.axes == [ax]
+    np.testing.assert_allclose(ax.get_position(original=True).bounds,
+                               reference.ax_.get_position(original=True).bounds)
+
+
+def test_a_display_keeps_no_closed_figure_alive():
+    """Each plot() without an axes makes a figure; the display's notes of its drawings
+    (for a redraw) were kept on the display, keyed by axes, and held every figure it had
+    drawn alive after plt.close, as long as the display lived (d4342cd held only the
+    last). Reference: weak references to the figures, dead after a collection; the
+    redraw still works and the display still pickles."""
+    import gc
+    import pickle
+    import weakref
+
+    disp = _colour_bar_displays()[0]
+    figures = []
+    for _ in range(3):
+        disp.plot()
+        figures.append(weakref.ref(disp.figure_))
+        plt.close(disp.figure_)
+    gc.collect()
+    # The last one is the display's (ax_, figure_, im_), as scikit-learn's displays keep.
+    assert [f() for f in figures[:-1]] == [None, None] and figures[-1]() is not None
+    disp.plot()
+    fig, ax = disp.figure_, disp.ax_
+    disp.plot(ax=ax)
+    assert len(fig.axes) == 2
+    pickle.loads(pickle.dumps(disp))

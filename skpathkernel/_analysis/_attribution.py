@@ -26,6 +26,7 @@ import numbers
 import numpy as np
 import scipy.sparse as sp
 from scipy.special import logsumexp, softmax
+from sklearn.utils import check_array
 
 __all__ = ["check_indicator", "check_output", "check_output_weights", "class_indices",
            "label_codes", "margin", "margin_weights", "output_weights", "query_codes"]
@@ -182,22 +183,19 @@ def check_output_weights(output, n_outputs: int, n_queries: int) -> np.ndarray:
     query, or a matrix with one row per query (``n_queries`` rows)."""
     expected = f"({n_outputs},) or ({n_queries}, {n_outputs})"
     try:
-        weights = np.asarray(output)
-        # Complex weights: float64 would drop their imaginary parts with a mere
-        # ComplexWarning (a list of Python complex numbers is refused by float()).
-        if weights.dtype.kind == "c":
-            raise TypeError("complex weights have no real weighted sum")
-        weights = weights.astype(np.float64)
+        # check_array refuses what float64 would not hold as given: complex weights
+        # (astype dropped their imaginary parts with a mere ComplexWarning), NaN and
+        # infinity (checked before a vector is repeated over no query), text, ragged rows.
+        weights = check_array(output, dtype=np.float64, ensure_2d=False, allow_nd=True,
+                              ensure_min_samples=0, ensure_min_features=0,
+                              input_name="output weights")
     except (TypeError, ValueError) as error:
-        raise ValueError(f"output weights must be real numbers of shape {expected}; "
-                         f"{str(error).rstrip('.')}.") from None
+        raise ValueError(f"output weights must be real numbers of shape {expected}, "
+                         f"finite (no NaN or infinity); {str(error).rstrip('.')}.") from None
     if weights.shape not in ((n_outputs,), (n_queries, n_outputs)):
         raise ValueError(f"output weights must have shape {expected} (one weight per "
                          f"network output, for every query or one row per query), got "
                          f"shape {weights.shape}.")
-    if not np.isfinite(weights).all():  # before the vector is repeated over no query
-        raise ValueError("output weights contain NaN or infinity; every weight must be "
-                         "finite.")
     if not weights.any():
         # The zero function, every score 0: output=[0] read as the index of the only
         # output (a binary classifier's, a single regressor's) is a weight of 0.

@@ -460,10 +460,7 @@ class TrainedNetwork(VersionedStateMixin):
                 # for the probes that X_train gets at as_network (see _recorded_network):
                 # the random draws', then the fallback's, which the estimators' fit and a
                 # loop with X_train warn of and this one reached without a word.
-                x = self.tensor(X[:64])
-                drawn = warn_random_forward(self.module, x, advice=RECORDED_ADVICE)
-                if not (drawn or draws_in_training(self.module)):
-                    warn_on_fallback(self.module, x)
+                warn_recorded_probes(self.module, self.tensor(X[:64]))
 
     def _takes_as_is(self, X) -> bool:
         """Whether ``check_input`` would return ``X`` itself, unchanged and unrefused.
@@ -1260,6 +1257,16 @@ def network_of(obj) -> TrainedNetwork:
     if budget is not None and int(budget) != net.memory_budget:
         net = net.replace(memory_budget=int(budget))
     return net
+
+
+def warn_recorded_probes(module, x) -> None:
+    """A recorded loop's probes of its network on inputs ``x`` (64 rows of X_train, or of
+    its first analysis's inputs without them): a layer drawing at random in training mode
+    (UserWarning), else the analyses' fallback (FallbackWarning), as the estimators' fit
+    warns. A forward that draws disagrees with any rule, so its routes say nothing."""
+    drawn = warn_random_forward(module, x, advice=RECORDED_ADVICE)
+    if not (drawn or draws_in_training(module)):
+        warn_on_fallback(module, x)
 
 
 def pipeline_last_step(estimator, *inputs):

@@ -70,19 +70,15 @@ from torch.nn.parallel import DistributedDataParallel
 from .._device import to_input_tensor
 from .._estimators._base import NetworkAttributesMixin
 from .._network._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
-from .._network._trained import TrainedNetwork, warn_not_finite
-from .._tangent import warn_on_fallback
+from .._network._trained import TrainedNetwork, warn_not_finite, warn_recorded_probes
 from .._validation import check_memory_budget
 from .._warnings import VersionedStateMixin
 from ..kernels import NetworkKernelsMixin
 from ._training import (
-    RECORDED_ADVICE,
-    draws_in_training,
     extend_trajectory,
     mode_dependent_layers,
     refused_in_mode,
     undrawn,
-    warn_random_forward,
 )
 from ._trajectory import (
     SolverSpec,
@@ -1788,11 +1784,7 @@ def _recorded_network(module, trajectory, loss, X_train, y_train,
         # at every call, without a word, and decompose blamed its quadrature. 64 rows: a
         # per-sample draw at p = 0.1 repeats on all of them with probability 3e-6.
         x = to_input_tensor(net.X_fit[:64], dtype=net.torch_dtype, device=net.torch_device)
-        drawn = warn_random_forward(net.module, x, advice=RECORDED_ADVICE)
-        # As the estimators' fit warns: a loop's analyses take the same fallback (a
-        # forward that draws at random disagrees with any rule: its routes say nothing).
-        if not (drawn or draws_in_training(net.module)):
-            warn_on_fallback(net.module, x)
+        warn_recorded_probes(net.module, x)
     else:
         # Without them (PathRecorder(model, SGD(lr=0)).as_estimator(), a pretrained model
         # left in training mode) the first analysis's inputs are probed, once: nothing

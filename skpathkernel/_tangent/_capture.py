@@ -410,7 +410,8 @@ class _UseWatch(TorchFunctionMode):
     Metadata reads (``.shape``, ``.size()``) return no tensor and are ignored. This is
     structural: it holds on every sample, whatever the parameter values. Code that torch
     functions do not see (TorchScript, C++ extensions, ``DisableTorchFunction``) is not
-    watched here: :func:`_numerical_misfits` checks one sample for it.
+    watched here: :func:`_numerical_misfits` checks the first samples for it
+    (:func:`check_rows`).
 
     The mode is thread-local; the hooks that maintain ``frames`` live on the module and
     fire in every thread, so they ignore calls from other threads.

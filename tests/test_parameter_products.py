@@ -16,6 +16,7 @@ from skpathkernel._tangent import capture, tangent_features, tangent_gram
 from skpathkernel._tangent._parameters import (
     PRODUCT_LEFT,
     PRODUCT_NO_GRAD,
+    PRODUCT_OTHER,
     PRODUCT_SHAPE,
     PRODUCT_VIEW,
 )
@@ -232,6 +233,7 @@ class Read(nn.Module):
         self.P = nn.Parameter(torch.randn(4, 4) / 2)
         self.P3 = nn.Parameter(torch.randn(3, 4, 4) / 2)
         self.head = nn.Linear(4, 2)
+        self.register_buffer("c", torch.randn(1, 4))
 
     def forward(self, x):  # x (n, 3, 4)
         if self.read == "left":
@@ -248,13 +250,19 @@ class Read(nn.Module):
             h = x[..., :3] @ self.P[:3]
         elif self.read == "rows":
             h = (x.transpose(0, 1) @ self.P).transpose(0, 1)
+        elif self.read == "transposed_elementwise":  # P.T is watched for products only
+            h = (x.unsqueeze(-1) * self.P.T).sum(-1)
+        elif self.read == "broadcast_constant_bias":  # the transposed rule's expand declines
+            h = torch.addmm(self.c, x.reshape(-1, 4), self.P).view(x.shape)
         return self.head(torch.tanh(h).mean(1))
 
 
 FALLBACK = {"left": ("P", PRODUCT_LEFT), "batched": ("P3", PRODUCT_SHAPE),
             "einsum": ("P", None), "no_grad": ("P", PRODUCT_NO_GRAD),
             "slice": ("P", PRODUCT_VIEW),
-            "rows": ("P", "the rows of its input are not the samples")}
+            "rows": ("P", "the rows of its input are not the samples"),
+            "transposed_elementwise": ("P", None),
+            "broadcast_constant_bias": ("P", PRODUCT_OTHER)}
 
 
 @pytest.mark.parametrize("read", sorted(FALLBACK))

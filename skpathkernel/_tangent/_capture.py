@@ -410,7 +410,8 @@ class _UseWatch(TorchFunctionMode):
     Metadata reads (``.shape``, ``.size()``) return no tensor and are ignored. This is
     structural: it holds on every sample, whatever the parameter values. Code that torch
     functions do not see (TorchScript, C++ extensions, ``DisableTorchFunction``) is not
-    watched here: :func:`_numerical_misfits` checks one sample for it.
+    watched here: :func:`_numerical_misfits` checks the first samples for it
+    (:func:`check_rows`).
 
     The mode is thread-local; the hooks that maintain ``frames`` live on the module and
     fire in every thread, so they ignore calls from other threads.
@@ -1058,6 +1059,13 @@ class _GraphBytes:
             self.nbytes += storage.nbytes()
 
 
+def _rows_are_samples(calls, n: int) -> bool:
+    """Whether every input and site of the recorded ``(use, sites)`` calls has ``n`` rows,
+    one per sample (else a constant input, a subset of the rows, a batch that is not the
+    first axis: the factors cannot be per-sample)."""
+    return all(t.shape[0] == n for use, zs in calls for t in (*use.inputs, *zs))
+
+
 def _accepted_layers(layers, watch, X, reasons):
     """The calls of the rule layers that give per-sample factors, as ``(layer, rule,
     names, use, sites)`` (one per call: a layer called twice gives two), and the parameter
@@ -1073,10 +1081,7 @@ def _accepted_layers(layers, watch, X, reasons):
         # Every call read its parameters once through the rule's op (a call that never
         # read them, or read them another way, sends the layer to the fallback).
         why = _why_declined(calls, rule, layer) or _misplaced(calls, rule, names, watch.owners)
-        if why is None and any(t.shape[0] != X.shape[0]
-                               for use, zs in calls for t in (*use.inputs, *zs)):
-            # Rows that are not the samples (a constant input, a subset of the rows, a
-            # batch that is not the first axis): the factors cannot be per-sample.
+        if why is None and not _rows_are_samples(calls, X.shape[0]):
             why = NOT_SAMPLES
         if why is not None:
             why_of[id(layer)] = why
@@ -1130,7 +1135,7 @@ def _accepted_free(free, watch, params, X, reasons, declined):
             declined.add(name)
             reasons[name] = FREE_UNSTRUCTURED
             continue
-        if any(t.shape[0] != n for use, zs in products for t in (*use.inputs, *zs)):
+        if not _rows_are_samples(products, n):
             declined.add(name)
             reasons[name] = NOT_SAMPLES
             continue

@@ -1413,11 +1413,11 @@ def _plain_mlp_gram(module, params, X, output, memory_budget, out_dtype):
 
     The same factors as the capture's, bit for bit, and the same symmetric panels, so
     the same K; what it leaves out is the capture's set-up for modules of any kind:
-    :func:`_prepare`'s probe capture and one-sample autograd check (a module of these
-    exact types, without hooks, reads its parameters only in its layers' own calls), the
-    use watch and the autograd graph, and the factors' fresh memory (one arena instead,
-    :class:`._stacked.Arena`). Public call on 64-512-512-1 tanh at N = 1024, one thread:
-    ``benchmarks/results/gram-mlp-s46.md``.
+    :func:`_prepare`'s probe capture and autograd check of the first samples (a module of
+    these exact types, without hooks, reads its parameters only in its layers' own calls
+    and keeps its rows in the samples' order), the use watch and the autograd graph, and
+    the factors' fresh memory (one arena instead, :class:`._stacked.Arena`). Public call
+    on 64-512-512-1 tanh at N = 1024, one thread: ``benchmarks/results/gram-mlp-s46.md``.
     """
     params = dict(params)
     if not ((isinstance(output, str) and output == "trace")

@@ -286,8 +286,8 @@ def transposed_view(func, args, kwargs, param: torch.Tensor) -> bool:
 
 
 def _bias_of(func, args, kwargs):
-    """The bias argument of a linear call and the rest: ``(x, w, b)``, None where the
-    call passes arguments this reading does not know."""
+    """The arguments of a linear call, ``(x, w, b)`` (all it passes: a free parameter
+    in it is one of these), None where the call passes others."""
     if func is F.linear:
         if set(kwargs) - {"bias"} or not 2 <= len(args) <= 3:
             return None
@@ -341,6 +341,4 @@ def product_site(func, args, kwargs, free: dict[int, str], views: dict[int, tupl
         if tuple(b.shape) != (w.shape[0 if func is F.linear else 1],):
             return PRODUCT_SHAPE
         names["bias"] = free[id(b)]
-    if len(names) != sum(isinstance(t, torch.Tensor) and id(t) in free for t in (x, w, b)):
-        return PRODUCT_OTHER
     return IN_OUT if transposed else LINEAR, names, None if func is F.linear else IN_OUT.expand

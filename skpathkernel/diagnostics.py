@@ -144,8 +144,9 @@ class HessianTracePath:
 
 # Any estimator: network_of reads the network of a network estimator, of a
 # RecordedNetwork and of a FrozenEstimator's estimator; pipeline_last_step gives a
-# Pipeline's last step. Any other (a search, a bag) network_of refuses with its hint (the
-# estimator inside to pass), as the kernels and the displays do. The classes listed
+# Pipeline's last step and a refitted search's best_estimator_. Any other (a bag,
+# TransformedTargetRegressor) network_of refuses with its hint (the estimator inside to
+# pass), as the kernels and the displays do. The classes listed
 # beside HasMethods(["fit"]) before, all with fit, only named private classes in
 # validate_params' message.
 _ESTIMATOR = [HasMethods(["fit"])]
@@ -200,9 +201,10 @@ def hessian_trace(estimator, X=None, y=None, *, sample_weight=None, n_samples=10
         ``pipe[-1]`` (whose ``X_fit_`` are the transformed training inputs), with an
         explicit ``X`` transformed by the steps before it, ``pipe[:-1].transform(X)``
         (``y`` as it is: a pipeline passes it unchanged to the last step's fit), as
-        :mod:`skpathkernel.plotting`'s displays take it. Other wrappers (a search,
-        ``TransformedTargetRegressor``, a bag, one estimator per output) are refused with
-        a ``TypeError`` naming the estimator inside to pass.
+        :mod:`skpathkernel.plotting`'s displays take it; a search refitted on the whole
+        data (``refit=True``) stands for its ``best_estimator_``, a pipeline or not.
+        Other wrappers (``TransformedTargetRegressor``, a bag, one estimator per output)
+        are refused with a ``TypeError`` naming the estimator inside to pass.
     X : array-like of shape (n_samples_X, n_features) or (n_samples_X, ...), default=None
         Inputs, in the form of the training inputs (``input_shape_``). ``None``: the
         training inputs ``X_fit_``.
@@ -355,8 +357,9 @@ def loss_path(estimator, X=None, y=None, *, steps=None, batch_size=None):
         As in :func:`hessian_trace` (a meta-estimator stands for its ``estimator_``, a
         ``FrozenEstimator`` for the estimator it holds, a
         :class:`~skpathkernel.RecordedNetwork` for the network it holds, with its
-        ``loss``). The network is evaluated as it is, with the parameters of each recorded
-        point; the estimator is not modified.
+        ``loss``, a fitted Pipeline for its last step on transformed inputs, a refitted
+        search for its ``best_estimator_``). The network is evaluated as it is, with the
+        parameters of each recorded point; the estimator is not modified.
     X : array-like of shape (n_samples_X, n_features) or (n_samples_X, ...), default=None
         Inputs, in the form of the training inputs. ``None``: the training inputs
         ``X_fit_``, whose rows are those of the ``X`` given to ``fit``

@@ -39,7 +39,7 @@ from sklearn.gaussian_process.kernels import Kernel
 from ._device import to_numpy
 from ._modules import running
 from ._network._inputs import check_representable
-from ._network._trained import KERNELS, TrainedNetwork, network_of
+from ._network._trained import KERNELS, TrainedNetwork, network_of, pipeline_last_step
 from ._parallel import (
     by_reference,
     dask_worker_threads,
@@ -74,8 +74,25 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- helpers
-# Every function below takes the fitted network (a TrainedNetwork, from network_of): the
-# public functions and the kernels' __call__ resolve it once per call.
+# Every function below _resolve takes the fitted network (a TrainedNetwork, from
+# network_of): the public functions and the kernels' __call__ resolve it once per call.
+def _resolve(estimator, X, Y=None):
+    """``(estimator, net, X, Y)``: the estimator holding the network (a fitted Pipeline's
+    last step, a search's ``best_estimator_``: :func:`pipeline_last_step`), its network,
+    and ``X`` and ``Y`` as that network takes them, checked; ``Y`` None where it is None
+    or ``X`` itself (the symmetric ``K(X, X)``, known before the steps transform them).
+
+    The inputs are transformed before anything is keyed on them: the Gram memo compares
+    the rows the network sees, so a refitted transformer's rows are other rows."""
+    same = Y is None or Y is X
+    estimator, X, Y = pipeline_last_step(estimator, X, None if same else Y)
+    # Fitted first, as scikit-learn's estimators check: an unfitted kernel is the
+    # problem whatever X is.
+    net = network_of(estimator)
+    X = _validate(estimator, net, X)
+    return estimator, net, X, None if same else _validate(estimator, net, Y, "Y")
+
+
 def _validate(estimator, net: TrainedNetwork, X, name="X"):
     check_column_names(estimator, X)
     # The network's input form: 2-D features, or (n, ...) arrays and token ids, which
@@ -269,8 +286,10 @@ def step_kernel(
 
     Parameters
     ----------
-    estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
-        The trained network whose recorded path holds the point.
+    estimator : fitted skpathkernel estimator, RecordedNetwork, TrainedNetwork, Pipeline or search
+        The trained network whose recorded path holds the point; a fitted Pipeline or
+        search as :class:`TangentKernel` takes it (its network, on inputs through the
+        steps before it).
     X : array-like of shape (n_samples_X, n_features) or (n_samples_X, ...)
         In the form of the estimator's training inputs, or flat rows of
         ``n_features_in_`` values each.
@@ -308,12 +327,8 @@ def step_kernel(
     output = _check_output(output)
     _check_normalized(normalized, output)
     check_index(step, "step")
-    # Fitted first, as scikit-learn's estimators check: an unfitted kernel is the problem
-    # whatever X is.
-    net = network_of(estimator)
-    X_in, X = X, _validate(estimator, net, X)
     # Y is X: K(X, X) from its symmetry, as the kernels' call takes it.
-    Y = None if Y is None or Y is X_in else _validate(estimator, net, Y, "Y")
+    _, net, X, Y = _resolve(estimator, X, Y)
     with running(net.module, warn_drawing_now):
         return _check_finite(_step_gram(net, X, Y, step, output, preconditioned, normalized),
                              net, X, Y)
@@ -1031,21 +1046,18 @@ class _NetworkKernel(VersionedStateMixin, Kernel):
         """
         if eval_gradient and Y is not None:
             raise ValueError("Gradient can only be evaluated when Y is None.")
-        X_in = X
         self._check_params()
         _refuse_matrix_consumer(self)
-        net = network_of(self.estimator)
-        X = _validate(self.estimator, net, X)
         # Y is X (SVC's fit calls kernel(X, X)): K(X, X), symmetric, as scikit-learn's
         # pairwise functions take it; the general route took 2.7 times as long for a
         # path kernel and gave a Gram asymmetric by round-off (1e-7 in float32).
-        Y = None if Y is None or Y is X_in else _validate(self.estimator, net, Y, "Y")
+        estimator, net, X, Y = _resolve(self.estimator, X, Y)
         memo = (self.__dict__.setdefault("_gram_memo", _GramMemo()) if eval_gradient
                 else self.__dict__.get("_gram_memo"))
         params = self.get_params(deep=False)
         params.pop("estimator")
         K = (None if memo is None or Y is not None
-             else memo.lookup(self.estimator, net, params, X))
+             else memo.lookup(estimator, net, params, X))
         if K is None:
             work = len(X) * len(X if Y is None else Y) * net.n_params * self._n_points(net)
             # The lock first: a call waiting for the module keeps no thread limit in force
@@ -1055,7 +1067,7 @@ class _NetworkKernel(VersionedStateMixin, Kernel):
             with running(net.module, warn_drawing_now), limit_torch_threads(threads):
                 K = _check_finite(self._bind(net)._gram_blocks(X, Y), net, X, Y)
             if eval_gradient:
-                memo.store(self.estimator, net, params, X, K)
+                memo.store(estimator, net, params, X, K)
         if eval_gradient:
             return K, np.empty(K.shape + (0,))
         return K
@@ -1076,8 +1088,7 @@ class _NetworkKernel(VersionedStateMixin, Kernel):
         """
         self._check_params()
         _refuse_matrix_consumer(self)
-        net = network_of(self.estimator)
-        X = _validate(self.estimator, net, X)
+        _, net, X, _ = _resolve(self.estimator, X)
         with running(net.module, warn_drawing_now):
             d = _check_finite(self._bind(net)._diag_blocks(X), net, X)
         if self.normalized:
@@ -1163,8 +1174,16 @@ class TangentKernel(_NetworkKernel):
 
     Parameters
     ----------
-    estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
+    estimator : fitted skpathkernel estimator, RecordedNetwork, TrainedNetwork, Pipeline or search
         Kept as is (not refitted by ``clone``); its ``network_`` is read at every call.
+        A fitted :class:`~sklearn.pipeline.Pipeline` ending in one stands for its last
+        step, on the inputs the steps before it transform: ``X`` and ``Y`` are raw
+        inputs, passed through ``pipe[:-1].transform`` at every call, so that
+        ``SVC(kernel=...)`` fits on the pipeline's inputs. A search refitted on the whole
+        data (``GridSearchCV``, ``RandomizedSearchCV``, ``refit=True``) stands for its
+        ``best_estimator_``, a pipeline or not. Wrappers whose network saw other inputs or
+        targets (a bag, one estimator per output, ``TransformedTargetRegressor``) are
+        refused with a ``TypeError`` naming the estimator inside.
     step : int, default=-1
         Recorded point of ``estimator.trajectory_``; negative counts from the end.
     output : "trace", "full" or int, default="trace"
@@ -1299,8 +1318,10 @@ class PathKernel(_NetworkKernel):
 
     Parameters
     ----------
-    estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
+    estimator : fitted skpathkernel estimator, RecordedNetwork, TrainedNetwork, Pipeline or search
         Kept as is (not refitted by ``clone``); its ``network_`` is read at every call.
+        A fitted Pipeline ending in one, or a refitted search, as :class:`TangentKernel`
+        takes it: the network inside, on ``X`` and ``Y`` through the steps before it.
     start, stop : int or None, default=0, None
         Range of recorded points, with Python slice semantics over the points
         ``0 .. len(trajectory_) - 2`` (the last point has no step leaving it).

@@ -43,7 +43,7 @@ from ._analysis._unrolled import AttributionScores
 from ._estimators._base import BasePathKernelNetwork, _encode_like_fit
 from ._estimators._meta import NetworkMetaEstimator
 from ._modules import copy_module
-from ._network._trained import network_of
+from ._network._trained import network_of, pipeline_last_step, with_last_step
 from ._parallel import limit_torch_threads
 from ._path._recorder import RecordedNetwork
 from ._path._training import (
@@ -389,8 +389,16 @@ def _replay(estimator, keep: np.ndarray):
     their weighted mean with the recorded batch weights of a fit with ``sample_weight``;
     a step whose batch lost every point is skipped), on targets that ``normalize_y``
     standardizes over the kept points. Returns a shallow copy of the
-    estimator holding the retrained network, for the output functions.
+    estimator holding the retrained network, for the output functions; of a fitted
+    pipeline or search, a copy holding it in place of the trainer inside, whose
+    transformers stay fitted (the path is the trainer's alone).
     """
+    trainer = pipeline_last_step(estimator)[0]
+    return with_last_step(estimator, _replay_trainer(trainer, keep))
+
+
+def _replay_trainer(estimator, keep: np.ndarray):
+    """:func:`_replay` of a fitted skpathkernel trainer itself."""
     net = network_of(estimator)
     traj = net.trajectory
     module = copy_module(net.module)
@@ -556,7 +564,11 @@ def retrain_on_subsets(
           The counterfactual whose first-order
           prediction is ``attribute(..., method="unrolled")`` summed over the kept
           points. The only protocol that follows a weighted fit's weights: the
-          others refit with ``fit(X, y)``, unweighted.
+          others refit with ``fit(X, y)``, unweighted. A fitted Pipeline ending in
+          one (or a search refitted on one, its ``best_estimator_``) replays the
+          network's path on ``X`` through the steps before it, which stay fitted as
+          they are (the path is the network's alone; the other protocols refit them
+          on each subset); the outputs are read through the pipeline.
     n_repeats : int, default=1
         Models per subset; their outputs are averaged (only "independent" gives
         different models).
@@ -741,11 +753,19 @@ def _check_protocol(protocol, estimator, X, y) -> None:
 
 
 def _check_replayable(estimator, X, y) -> None:
-    """The replay protocol needs a fitted skpathkernel estimator trained on X, y itself.
+    """The replay protocol needs a fitted skpathkernel estimator trained on X, y itself
+    (in a fitted pipeline or search: the one inside, on X through the steps before it).
 
     The replay trains on the targets recorded with the path: a ``y`` that differs (other
     labels, another task) would be replaced by them without a word.
     """
+    resolved, X = pipeline_last_step(estimator, X)
+    if resolved is estimator and (isinstance(estimator, Pipeline)
+                                  or hasattr(estimator, "cv_results_")):
+        # Not followed: unfitted (NotFittedError), or a wrapper whose network saw other
+        # inputs or targets, refused with the way to it.
+        network_of(estimator)
+    estimator = resolved
     if isinstance(estimator, RecordedNetwork):
         # Fitted already, so "fit it first" would not help.
         raise ValueError(f"protocol='replay' replays the training of a fitted "
@@ -760,15 +780,6 @@ def _check_replayable(estimator, X, y) -> None:
                          f"PathKernelMachine or PathKernelClassifier; a "
                          f"{type(estimator).__name__} reads the path of its estimator: "
                          "pass that trainer, fitted on X, y (its estimator_), instead.")
-    if isinstance(estimator, Pipeline) and isinstance(estimator[-1], BasePathKernelNetwork):
-        # "Fit it first" would send the user of a fitted Pipeline in a circle: the path
-        # is its last step's, recorded on the transformed X, and the replay keeps the
-        # fitted transformers (refitting them on a subset is another training).
-        raise ValueError("protocol='replay' replays the recorded path of a fitted "
-                         "PathKernelMachine or PathKernelClassifier, not a Pipeline: pass "
-                         "its last step with the inputs it was trained on, "
-                         "pipe[-1], pipe[:-1].transform(X), y and "
-                         "pipe[:-1].transform(X_query).")
     if not isinstance(estimator, BasePathKernelNetwork):
         raise ValueError("protocol='replay' replays the recorded path of a fitted "
                          "PathKernelMachine or PathKernelClassifier; a "

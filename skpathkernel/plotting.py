@@ -31,7 +31,6 @@ from scipy.sparse import issparse
 from sklearn.base import is_classifier, is_outlier_detector, is_regressor
 from sklearn.decomposition import KernelPCA
 from sklearn.manifold import TSNE
-from sklearn.pipeline import Pipeline
 from sklearn.utils._optional_dependencies import check_matplotlib_support
 from sklearn.utils.multiclass import type_of_target
 from sklearn.utils.validation import check_array
@@ -409,7 +408,8 @@ class KernelMatrixDisplay:
         ----------
         estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
             The fitted network whose recorded path is read; or a fitted Pipeline ending
-            in one, whose steps before it transform the inputs.
+            in one, whose steps before it transform the inputs, or a search refitted on
+            one (its ``best_estimator_``).
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
             In the form of the estimator's training inputs (images, token ids, ...).
         y : array-like of shape (n_samples,), default=None
@@ -649,7 +649,8 @@ class KernelNeighborsDisplay:
         estimator : fitted PathKernelMachine or PathKernelClassifier on 2-D inputs
             Its training inputs ``X_fit_`` are the candidates; or a fitted Pipeline
             ending in one, whose steps before it transform the anchors (the points are
-            then drawn as the network takes them, after those steps). Its
+            then drawn as the network takes them, after those steps), or a search
+            refitted on one (its ``best_estimator_``). Its
             ``network_`` (a TrainedNetwork), which has no predictions, and a
             RecordedNetwork kept with its ``X_train``, which predicts raw outputs, not
             labels, need ``y``.
@@ -862,7 +863,8 @@ class KernelEvolutionDisplay:
         ----------
         estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
             The fitted network whose recorded path is read; or a fitted Pipeline ending
-            in one, whose steps before it transform the inputs.
+            in one, whose steps before it transform the inputs, or a search refitted on
+            one (its ``best_estimator_``).
         x : array-like of shape (n_features,) or the estimator's ``input_shape_``
             One input, without the sample axis. For a network kept without its training
             inputs (a ``RecordedNetwork`` without ``X_train``), whose input form is
@@ -890,7 +892,7 @@ class KernelEvolutionDisplay:
             # A Series as a one-row frame: the steps may read its names, and they are
             # checked against the fit's below (a Series has no columns to check).
             x = x.to_frame().T
-        if isinstance(estimator, Pipeline):
+        if pipeline_last_step(estimator)[0] is not estimator:
             # x has no sample axis: one row through the steps, and back (a one-row
             # DataFrame as it is; an array, images too, with a sample axis in front).
             row = x if hasattr(x, "iloc") else np.asarray(x)[np.newaxis]
@@ -1052,7 +1054,8 @@ class RankGapDisplay:
         ----------
         estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
             The fitted network whose recorded path is read; or a fitted Pipeline ending
-            in one, whose steps before it transform the inputs.
+            in one, whose steps before it transform the inputs, or a search refitted on
+            one (its ``best_estimator_``).
         X_train : array-like of shape (n_train, n_features) or (n_train, ...)
             The training inputs, whose tangent features span the reference space.
         X_test : array-like of shape (n_test, n_features) or (n_test, ...)
@@ -1316,7 +1319,8 @@ class TangentEmbeddingDisplay:
         ----------
         estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
             The fitted network whose recorded path is read; or a fitted Pipeline ending
-            in one, whose steps before it transform the inputs.
+            in one, whose steps before it transform the inputs, or a search refitted on
+            one (its ``best_estimator_``).
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
             The samples, in the form the network was fitted on.
         y : array-like of shape (n_samples,), default=None

@@ -11,7 +11,9 @@ from numpy.testing import assert_allclose, assert_array_equal
 from scipy.special import logsumexp
 from scipy.stats import bootstrap, spearmanr
 from sklearn.base import BaseEstimator, clone
+from sklearn.exceptions import NotFittedError
 from sklearn.linear_model import LogisticRegression, Ridge
+from sklearn.model_selection import GridSearchCV
 from sklearn.neighbors import KNeighborsRegressor
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
@@ -855,26 +857,44 @@ def test_replay_of_a_meta_estimator_names_its_trainer():
     assert res.outputs.shape == (2, 2)
 
 
-def test_replay_of_a_pipeline_names_its_last_step():
-    """A fitted Pipeline ending in a trainer was told to "fit it on X, y first", which it
-    was: the refusal now names the route that replays (its last step on the transformed
-    inputs), and an estimator that records no path is not told to fit."""
+def test_replay_of_a_pipeline_or_search_replays_its_network_on_the_transformed_inputs():
+    """A fitted Pipeline ending in a trainer was refused (s54: "pass its last step with
+    the inputs it was trained on"): it replays that step's path on X through the scaler,
+    which stays fitted, against the hand-written loop on hand-scaled inputs; a search
+    around it likewise, and a callable output is called with the pipeline and the raw
+    queries, as the other protocols call it."""
     rng = np.random.RandomState(0)
     X = rng.normal(size=(30, 3)) * [1.0, 10.0, 0.1]
     y = np.digitize(X[:, 0], [-0.5, 0.5])
-    pipe = make_pipeline(StandardScaler(), PathKernelClassifier(
-        hidden_layer_sizes=(4,), solver="sgd", learning_rate_init=0.1, batch_size=8,
-        max_iter=2, dtype="float64", random_state=0, tol=None)).fit(X, y)
-    with pytest.raises(ValueError, match=r"not a Pipeline: pass its last step"):
-        retrain_on_subsets(pipe, X, y, X[:2], y[:2], n_subsets=2, protocol="replay")
+    net = PathKernelClassifier(hidden_layer_sizes=(4,), solver="sgd", learning_rate_init=0.1,
+                               batch_size=8, max_iter=2, dtype="float64", random_state=0,
+                               tol=None)
+    pipe = make_pipeline(StandardScaler(), net).fit(X, y)
+    search = GridSearchCV(make_pipeline(StandardScaler(), clone(net)),
+                          {"pathkernelclassifier__alpha": [0.0]}, cv=2).fit(X, y)
+    Z = (X[:2] - X.mean(axis=0)) / X.std(axis=0)
+    seen = []
+
+    def first_logit(model, X_query):
+        seen.append((type(model).__name__, np.array_equal(np.asarray(X_query), X[:2])))
+        return model.decision_function(X_query)[:, 0]
+
+    for fitted, trainer in ((pipe, pipe[-1]), (search, search.best_estimator_[-1])):
+        res = retrain_on_subsets(fitted, X, y, X[:2], y[:2], n_subsets=2, protocol="replay",
+                                 random_state=0)
+        logit = retrain_on_subsets(fitted, X, y, X[:2], n_subsets=2, protocol="replay",
+                                   random_state=0, output=first_logit)
+        for mask, out, first in zip(res.subsets, res.outputs, logit.outputs):
+            logits = _replay_loop(trainer, mask, Z)
+            assert_allclose(out, logits[np.arange(2), y[:2]] - logsumexp(
+                np.where(np.eye(3)[y[:2]] > 0, -np.inf, logits), axis=1), rtol=1e-10)
+            assert_allclose(first, logits[:, 0], rtol=1e-10)
+        # The fitted pipeline is left as it was: its trainer's network is not replaced.
+        assert_allclose(fitted.decision_function(X[:2]), trainer.decision_function(
+            Z), rtol=1e-12)
+    assert {name for name, _ in seen} == {"Pipeline", "GridSearchCV"}
+    assert all(raw for _, raw in seen)
     with pytest.raises(ValueError, match="a Ridge records none"):
         retrain_on_subsets(Ridge().fit(X, y), X, y, X[:2], n_subsets=2, protocol="replay")
-    # The route the message names replays: the last step's recorded path on the inputs
-    # it was trained on, the hand-written loop's.
-    Xt, Zt = pipe[:-1].transform(X), pipe[:-1].transform(X[:2])
-    res = retrain_on_subsets(pipe[-1], Xt, y, Zt, y[:2], n_subsets=2, protocol="replay",
-                             random_state=0)
-    for mask, out in zip(res.subsets, res.outputs):
-        logits = _replay_loop(pipe[-1], mask, Zt)
-        assert_allclose(out, logits[np.arange(2), y[:2]] - logsumexp(
-            np.where(np.eye(3)[y[:2]] > 0, -np.inf, logits), axis=1), rtol=1e-10)
+    with pytest.raises(NotFittedError):
+        retrain_on_subsets(clone(pipe), X, y, X[:2], y[:2], n_subsets=2, protocol="replay")

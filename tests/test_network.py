@@ -107,17 +107,18 @@ def test_network_of_every_producer(clf, data):
             network_of(obj)
     with pytest.raises(TypeError, match="exposes no fitted network"):
         TangentKernel(ridge)(X)
-    # A pipeline ending in a fitted network: the error names the way to its network, and
-    # that way gives the pipeline's kernel (the network sees the scaled inputs).
+    # A pipeline ending in a fitted network: network_of itself names the way to its
+    # network; the kernels follow that way (the network sees the scaled inputs).
     pipe = make_pipeline(StandardScaler(), PathKernelMachine(
         hidden_layer_sizes=(4,), max_iter=3, dtype="float64", random_state=0)).fit(X, X[:, 0])
     with pytest.raises(TypeError, match=re.escape("pipe[-1]") + ".*" +
                        re.escape("pipe[:-1].transform(X)")):
-        TangentKernel(pipe)(X)
+        network_of(pipe)
     Z = pipe[:-1].transform(X)
     J = jacobian_loop(pipe[-1].module_, torch.as_tensor(Z))
-    np.testing.assert_allclose(TangentKernel(pipe[-1])(Z), (J[:, 0] @ J[:, 0].T).numpy(),
-                               rtol=1e-10)
+    for source, inputs in ((pipe[-1], Z), (pipe, X)):
+        np.testing.assert_allclose(TangentKernel(source)(inputs),
+                                   (J[:, 0] @ J[:, 0].T).numpy(), rtol=1e-10)
 
 
 @pytest.mark.parametrize("wrapper", ["search", "transformed_target", "multi_output"])
@@ -141,10 +142,18 @@ def test_a_wrapper_around_a_network_names_where_the_network_is(wrapper):
     }[wrapper]
     obj.fit(X, np.c_[y, -y] if wrapper == "multi_output" else 0.5 * np.tanh(y))
     with pytest.raises(TypeError, match=re.escape(attr)):
-        TangentKernel(obj)(X)
+        network_of(obj)
     J = jacobian_loop(inner(obj).module_, torch.as_tensor(X))
     np.testing.assert_allclose(TangentKernel(inner(obj))(X), (J[:, 0] @ J[:, 0].T).numpy(),
                                rtol=1e-10)
+    if wrapper == "search":
+        # A refitted search's best_estimator_ saw X and y as they are: the kernel follows.
+        np.testing.assert_allclose(TangentKernel(obj)(X), (J[:, 0] @ J[:, 0].T).numpy(),
+                                   rtol=1e-10)
+    else:
+        # Another network's targets (func(y)), or one network per target: refused.
+        with pytest.raises(TypeError, match=re.escape(attr)):
+            TangentKernel(obj)(X)
 
 
 @pytest.mark.parametrize("wrapper", ["search_of_pipeline", "pipeline_of_transformed"])
@@ -168,10 +177,17 @@ def test_a_wrapper_nesting_a_pipeline_names_the_way_and_the_inputs(wrapper):
         way, inputs = "pipe[-1].regressor_", "pipe[:-1].transform(X)"
         inner, Z = obj[-1].regressor_, obj[:-1].transform(X)
     with pytest.raises(TypeError, match=re.escape(way) + ".*" + re.escape(inputs)):
-        TangentKernel(obj)(X)
+        network_of(obj)
     J = jacobian_loop(inner.module_, torch.as_tensor(Z))
     np.testing.assert_allclose(TangentKernel(inner)(Z), (J[:, 0] @ J[:, 0].T).numpy(),
                                rtol=1e-10)
+    if wrapper == "search_of_pipeline":
+        # The kernel follows the search and its pipeline, on X as the search got it.
+        np.testing.assert_allclose(TangentKernel(obj)(X), (J[:, 0] @ J[:, 0].T).numpy(),
+                                   rtol=1e-10)
+    else:
+        with pytest.raises(TypeError, match=re.escape(way) + ".*" + re.escape(inputs)):
+            TangentKernel(obj)(X)
 
 
 def test_a_bag_of_networks_is_not_named_one_per_target():

@@ -74,7 +74,8 @@ from ._inputs import (
 )
 
 __all__ = ["TrainedNetwork", "as_loss", "check_attribute_args", "check_decompose_args",
-           "check_step_applies", "network_of", "warn_not_finite"]
+           "check_step_applies", "network_of", "pipeline_last_step", "warn_not_finite",
+           "with_last_step"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64"}
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -1270,31 +1271,74 @@ def warn_recorded_probes(module, x) -> None:
 
 
 def pipeline_last_step(estimator, *inputs):
-    """A fitted :class:`~sklearn.pipeline.Pipeline`'s last step, and ``inputs`` (None
-    passes) through the steps before it; a pipeline ending in a pipeline is followed
-    down. Anything else is returned as given.
+    """The estimator holding the network inside a fitted :class:`~sklearn.pipeline.Pipeline`
+    or search, and ``inputs`` (None passes) as that estimator takes them; anything else is
+    returned as given.
 
-    The displays and the diagnostics take a pipeline as scikit-learn's displays do: they
-    read the network of its last step, on the inputs that step takes, which is what
-    :func:`_wrapped_network_hint` tells the kernels' users to do by hand (``pipe[-1]`` on
-    ``pipe[:-1].transform(X)``). The wrappers whose network saw other inputs or targets
-    (a bag, one estimator per output) are left to :func:`network_of` to refuse."""
-    last = estimator
-    while isinstance(last, Pipeline) and len(last):
-        last = last[-1]
-    if not (hasattr(last, "network_") or isinstance(last, TrainedNetwork)):
-        # A wrapper in the last step (a search, TransformedTargetRegressor), or not
-        # fitted: network_of refuses the pipeline itself, with the hint naming the whole
-        # way (pipe[-1].regressor_ on pipe[:-1].transform(X)), where the last step's
-        # hint lost the pipeline's part of it.
+    A pipeline stands for its last step, on the inputs the steps before it transform
+    (``pipe[-1]`` on ``pipe[:-1].transform(X)``; a pipeline ending in a pipeline is
+    followed down); a search refitted on the whole data (GridSearchCV,
+    RandomizedSearchCV, ``refit=True``) for its ``best_estimator_``, on the inputs as
+    they are; nested in each other, in any order. The kernels, the displays and the
+    diagnostics take them so, as scikit-learn's displays take a pipeline. The wrappers
+    whose network saw other inputs or targets (a bag, one estimator per output, a
+    ``TransformedTargetRegressor``, whose prediction is not the network's output), a
+    search without ``refit`` and an unfitted pipeline or search are returned as given,
+    for :func:`network_of` to refuse with its hint or scikit-learn's NotFittedError."""
+    chain = _followed(estimator)
+    if not (hasattr(chain[-1], "network_") or isinstance(chain[-1], TrainedNetwork)):
+        # A wrapper in the last step (TransformedTargetRegressor, a bag), or not fitted:
+        # network_of refuses the whole object, with the hint naming the whole way
+        # (pipe[-1].regressor_ on pipe[:-1].transform(X)), where the last step's hint
+        # lost the pipeline's part of it.
         return (estimator, *inputs)
-    while isinstance(estimator, Pipeline):
-        check_is_fitted(estimator)
-        if len(estimator) > 1:  # steps before the last
-            head = estimator[:-1]
-            inputs = tuple(None if a is None else head.transform(a) for a in inputs)
-        estimator = estimator[-1]
-    return (estimator, *inputs)
+    for outer in chain[:-1]:
+        # A search's best_estimator_ was refitted on the inputs as they are.
+        if isinstance(outer, Pipeline):
+            check_is_fitted(outer)
+            if len(outer) > 1:  # steps before the last
+                head = outer[:-1]
+                inputs = tuple(None if a is None else head.transform(a) for a in inputs)
+    return (chain[-1], *inputs)
+
+
+def with_last_step(estimator, model):
+    """``estimator`` with ``model`` in place of the estimator that
+    :func:`pipeline_last_step` finds in it: shallow copies of the pipelines and searches
+    on the way (their fitted steps shared), ``model`` itself where there are none. What
+    a replayed network is called through, as the fitted wrapper is."""
+    for outer in reversed(_followed(estimator)[:-1]):
+        outer = copy.copy(outer)
+        if isinstance(outer, Pipeline):
+            outer.steps = [*outer.steps[:-1], (outer.steps[-1][0], model)]
+        else:
+            outer.best_estimator_ = model
+        model = outer
+    return model
+
+
+def _followed(estimator) -> list:
+    """``estimator`` and the estimators inside it that :func:`pipeline_last_step` follows
+    (a pipeline's last step, a refitted search's ``best_estimator_``), outermost first."""
+    chain = [estimator]
+    while True:
+        last = chain[-1]
+        if isinstance(last, Pipeline) and len(last):
+            chain.append(last[-1])
+        elif _is_refit_search(last):
+            chain.append(last.best_estimator_)
+        else:
+            return chain
+
+
+def _is_refit_search(obj) -> bool:
+    """Whether ``obj`` is a fitted scikit-learn search that refitted its best candidate on
+    the whole data (``best_estimator_``, fitted on the inputs and targets the search got).
+
+    By the search's attributes (``cv_results_`` and ``best_estimator_``), not its class:
+    the halving searches and other libraries' (scikit-optimize's) keep the same contract,
+    and scikit-learn exports no base class for it."""
+    return hasattr(obj, "cv_results_") and hasattr(obj, "best_estimator_")
 
 
 def _wrapped_network_hint(obj) -> str:
@@ -1322,6 +1366,9 @@ def _wrapped_network_hint(obj) -> str:
         on = "" if inputs == "X" else f", on inputs transformed by the steps before it " \
                                       f"({inputs})"
         return f" {where}, {path}{units}{on}."
+    if hasattr(obj, "cv_results_") and not hasattr(obj, "best_estimator_"):
+        return (" A search fitted with refit=False keeps no fitted estimator: fit it with "
+                "refit=True, and its best_estimator_ is the one read.")
     inner = getattr(obj, "estimators_", None)
     if not isinstance(inner, list):
         return ""

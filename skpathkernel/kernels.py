@@ -1181,7 +1181,8 @@ class TangentKernel(_NetworkKernel):
         inputs, passed through ``pipe[:-1].transform`` at every call, so that
         ``SVC(kernel=...)`` fits on the pipeline's inputs. A search refitted on the whole
         data (``GridSearchCV``, ``RandomizedSearchCV``, ``refit=True``) stands for its
-        ``best_estimator_``, a pipeline or not. Wrappers whose network saw other inputs or
+        ``best_estimator_``, a pipeline or not, and a ``FrozenEstimator`` for the
+        estimator it holds (a pipeline too). Wrappers whose network saw other inputs or
         targets (a bag, one estimator per output, ``TransformedTargetRegressor``) are
         refused with a ``TypeError`` naming the estimator inside.
     step : int, default=-1

@@ -19,6 +19,7 @@ from sklearn.base import clone
 from sklearn.compose import ColumnTransformer, TransformedTargetRegressor
 from sklearn.ensemble import BaggingRegressor
 from sklearn.exceptions import NotFittedError
+from sklearn.frozen import FrozenEstimator
 from sklearn.model_selection import GridSearchCV, RandomizedSearchCV
 from sklearn.multioutput import MultiOutputRegressor, RegressorChain
 from sklearn.pipeline import Pipeline, make_pipeline
@@ -157,6 +158,27 @@ def test_a_refitted_search_stands_for_its_best_estimator(data, search):
     np.testing.assert_allclose(TangentKernel(plain)(X[:5, :1]),
                                _gram(plain.best_estimator_, X[:5, :1]), rtol=1e-9,
                                atol=1e-12)
+
+
+def test_a_search_over_frozen_pipelines_compares_their_networks(data):
+    """The guide compares fitted networks in a search as frozen ones
+    (kernel__estimator: [FrozenEstimator(a), FrozenEstimator(b)]); a frozen pipeline
+    forwards no network_ and was refused in every fit of the search."""
+    X, y = data
+    pipes = [make_pipeline(StandardScaler(), PathKernelClassifier(
+        **{**NET, "random_state": seed})).fit(X, y) for seed in (0, 1)]
+    Z = _scaled(X, X)
+    np.testing.assert_allclose(TangentKernel(FrozenEstimator(pipes[1]))(X[:5]),
+                               _gram(pipes[1][-1], Z[:5]), rtol=1e-9, atol=1e-12)
+    search = GridSearchCV(SVC(kernel=TangentKernel(pipes[0])),
+                          {"kernel__estimator": [FrozenEstimator(p) for p in pipes]},
+                          cv=2, error_score="raise").fit(X[:18], y[:18])
+    chosen = search.best_estimator_.kernel.estimator.estimator
+    assert any(chosen is p for p in pipes)
+    ref = SVC(kernel="precomputed").fit(_gram(chosen[-1], Z[:18]), y[:18])
+    np.testing.assert_allclose(search.decision_function(X[18:]),
+                               ref.decision_function(_gram(chosen[-1], Z[18:], Z[:18])),
+                               rtol=1e-7, atol=1e-9)
 
 
 def test_the_diagnostics_and_displays_follow_a_search_of_a_pipeline(data):

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from scipy.sparse import issparse
 from sklearn.exceptions import NotFittedError
+from sklearn.frozen import FrozenEstimator
 from sklearn.multioutput import MultiOutputClassifier, MultiOutputRegressor
 from sklearn.pipeline import Pipeline
 from sklearn.utils.validation import check_is_fitted
@@ -1278,8 +1279,9 @@ def pipeline_last_step(estimator, *inputs):
     A pipeline stands for its last step, on the inputs the steps before it transform
     (``pipe[-1]`` on ``pipe[:-1].transform(X)``; a pipeline ending in a pipeline is
     followed down); a search refitted on the whole data (GridSearchCV,
-    RandomizedSearchCV, ``refit=True``) for its ``best_estimator_``, on the inputs as
-    they are; nested in each other, in any order. The kernels, the displays and the
+    RandomizedSearchCV, ``refit=True``) for its ``best_estimator_``, and a
+    :class:`~sklearn.frozen.FrozenEstimator` for its estimator, on the inputs as they
+    are; nested in each other, in any order. The kernels, the displays and the
     diagnostics take them so, as scikit-learn's displays take a pipeline. The wrappers
     whose network saw other inputs or targets (a bag, one estimator per output, a
     ``TransformedTargetRegressor``, whose prediction is not the network's output), a
@@ -1311,6 +1313,8 @@ def with_last_step(estimator, model):
         outer = copy.copy(outer)
         if isinstance(outer, Pipeline):
             outer.steps = [*outer.steps[:-1], (outer.steps[-1][0], model)]
+        elif isinstance(outer, FrozenEstimator):
+            outer.estimator = model
         else:
             outer.best_estimator_ = model
         model = outer
@@ -1319,12 +1323,18 @@ def with_last_step(estimator, model):
 
 def _followed(estimator) -> list:
     """``estimator`` and the estimators inside it that :func:`pipeline_last_step` follows
-    (a pipeline's last step, a refitted search's ``best_estimator_``), outermost first."""
+    (a pipeline's last step, a refitted search's ``best_estimator_``, a
+    FrozenEstimator's estimator), outermost first."""
     chain = [estimator]
     while True:
         last = chain[-1]
         if isinstance(last, Pipeline) and len(last):
             chain.append(last[-1])
+        elif isinstance(last, FrozenEstimator):
+            # The kernels' guide compares fitted networks in a search as frozen ones
+            # (kernel__estimator: [FrozenEstimator(a), ...]); a frozen pipeline forwards
+            # no network_, its last step holds it.
+            chain.append(last.estimator)
         elif _is_refit_search(last):
             chain.append(last.best_estimator_)
         else:

@@ -21,6 +21,8 @@ anything, as scikit-learn's displays do (the kernels can take minutes).
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 import numbers
 import uuid
@@ -32,6 +34,7 @@ from sklearn.base import is_classifier, is_outlier_detector, is_regressor
 from sklearn.decomposition import KernelPCA
 from sklearn.manifold import TSNE
 from sklearn.utils._optional_dependencies import check_matplotlib_support
+from sklearn.utils._param_validation import InvalidParameterError
 from sklearn.utils.multiclass import type_of_target
 from sklearn.utils.validation import check_array
 
@@ -1342,7 +1345,14 @@ class TangentEmbeddingDisplay:
             UMAP's ``n_neighbors=min(15, n_samples - 1)``. The keywords the display sets
             itself (``n_components``, ``metric``, ``kernel``, ``random_state``) are
             refused, and so is ``method="auto"`` with ``method_kw``, whose estimator
-            depends on what is installed: name the method.
+            depends on what is installed: name the method. The options are checked
+            before the kernel is computed: their names, their types and ranges
+            (scikit-learn's own checks), and what fails on the tangent features'
+            precomputed kernel or distances (t-SNE's ``init="pca"``, KernelPCA's
+            ``fit_inverse_transform``, UMAP's ``unique``), on the 2 components drawn
+            (KernelPCA's ``remove_zero_eig``) or on too few samples (a perplexity or
+            ``n_neighbors`` not under their number, an ``init`` array not of shape
+            ``(n_samples, 2)``).
         continuous : bool, default=None
             Whether ``y`` holds values, drawn on a colour bar, rather than labels. None
             decides by the estimator: a regressor's ``y`` are values whatever their dtype;
@@ -1400,7 +1410,11 @@ _FIXED_KW = {"pca": ("n_components", "kernel"),
 
 def _embedder(resolved, method, method_kw, random_state, n):
     """The embedding estimator of :class:`TangentEmbeddingDisplay`: the user's
-    ``method_kw`` over the display's own choices, checked against the ``n`` samples."""
+    ``method_kw`` over the display's own choices, checked against the ``n`` samples.
+
+    Every option is checked here, before the kernel: the estimators check theirs only in
+    ``fit``, which runs on the kernel (the expensive part), and some combinations with
+    the display's precomputed kernel or distances only fail there."""
     if method_kw is not None and not isinstance(method_kw, dict):
         raise TypeError(f"method_kw must be a dict of keyword arguments or None, got "
                         f"{type(method_kw).__name__}.")
@@ -1415,48 +1429,108 @@ def _embedder(resolved, method, method_kw, random_state, n):
         raise ValueError(f"method_kw: {fixed[0]} is set by the display (2 components on "
                          "the tangent features' precomputed kernel or distances; the seed "
                          "is random_state).")
-    name = _METHOD_NAMES[resolved]
     if resolved == "pca":
-        # Two points make a direction.
-        low, why = 2, ""
-    elif resolved == "tsne" and "perplexity" in kw:
-        perplexity = kw["perplexity"]
-        if isinstance(perplexity, (bool, np.bool_)) or not isinstance(perplexity,
-                                                                       numbers.Real):
-            raise TypeError(f"method_kw: perplexity must be a positive float, got "
-                            f"{perplexity!r}.")
-        if not np.isfinite(perplexity) or perplexity <= 0:
-            raise ValueError(f"method_kw: perplexity must be a positive float, got "
-                             f"{perplexity!r}.")
-        # t-SNE needs a perplexity under the number of samples (TSNE.fit says so only
-        # after the kernel).
-        low = max(2, math.floor(perplexity) + 1)
-        why = f" with perplexity={perplexity!r} (t-SNE's must be under the sample count)"
+        cls, own = KernelPCA, {"n_components": 2, "kernel": "precomputed"}
     elif resolved == "tsne":
+        cls = TSNE
+        own = {"n_components": 2, "metric": "precomputed", "random_state": random_state}
         # The default perplexity adapts to the samples: at least 2, under their number.
-        kw["perplexity"] = float(min(30.0, max(2.0, (n - 1) / 3)))
-        low, why = 3, ""
+        kw = {"init": "random", "perplexity": float(min(30.0, max(2.0, (n - 1) / 3))), **kw}
     else:
-        kw.setdefault("n_neighbors", min(15, n - 1))
-        low, why = 2, ""
-    if n < low:
-        raise ValueError(f"A {name} embedding{why} needs at least {low} samples, got {n}.")
+        import umap
+
+        cls, own = umap.UMAP, {"metric": "precomputed", "random_state": random_state}
+        # The display's own choices, said to its user by umap-learn as warnings: a seed
+        # runs on one job (umap overrides its default of all of them) and the neighbours
+        # fit the samples (it truncates 15 to n - 1).
+        kw = {**({} if random_state is None else {"n_jobs": 1}),
+              "n_neighbors": min(15, n - 1), **kw}
+    _check_option_names(cls, kw)
+    embedder = cls(**kw, **own)
+    if resolved != "umap":
+        try:
+            # scikit-learn's own checks of types and ranges (_parameter_constraints),
+            # which fit runs first: here before the kernel.
+            embedder._validate_params()
+        except InvalidParameterError as e:
+            raise InvalidParameterError(f"method_kw: {e}") from None
+    _check_against_samples(resolved, kw, set(method_kw or ()), n)
     # set_output(transform="default"): under a global set_config(transform_output=
     # "pandas") the embedding (documented an ndarray) came back a DataFrame of KernelPCA's
     # / TSNE's column names.
-    if resolved == "pca":
-        return KernelPCA(**kw, n_components=2, kernel="precomputed").set_output(
-            transform="default")
-    if resolved == "tsne":
-        return TSNE(**{"init": "random", **kw}, n_components=2, metric="precomputed",
-                    random_state=random_state).set_output(transform="default")
-    import umap
+    return embedder if resolved == "umap" else embedder.set_output(transform="default")
 
-    # The display's own choices, said to its user by umap-learn as warnings: a seed runs
-    # on one job (umap overrides its default of all of them) and the neighbours fit the
-    # samples (it truncates 15 to n - 1).
-    own = {} if random_state is None else {"n_jobs": 1}
-    return umap.UMAP(**{**own, **kw}, metric="precomputed", random_state=random_state)
+
+def _check_option_names(cls, kw):
+    """Refuse a keyword the embedding estimator does not take, naming it (the class's
+    own TypeError named neither method_kw nor the options there are)."""
+    params = inspect.signature(cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(set(kw) - set(params))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(params), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TypeError(f"method_kw: {unknown[0]!r} is not an option of "
+                        f"{cls.__name__}{hint}.")
+
+
+def _check_against_samples(resolved, kw, given, n):
+    """The options that only fail in the embedder's fit, against the ``n`` samples or
+    the display's precomputed kernel (KernelPCA) or distances (t-SNE, UMAP): ``kw``,
+    the embedder's keywords, ``given`` the names of the user's among them."""
+    name = _METHOD_NAMES[resolved]
+    if resolved == "pca":
+        if kw.get("fit_inverse_transform"):
+            raise ValueError("method_kw: fit_inverse_transform=True maps the embedding "
+                             "back to the input features, and kernel PCA here has only "
+                             "the precomputed tangent kernel (scikit-learn refuses it).")
+        if kw.get("remove_zero_eig"):
+            raise ValueError("method_kw: remove_zero_eig=True drops a component whose "
+                             "eigenvalue is zero, and the display draws 2 (always one of "
+                             "them for 2 samples).")
+        # Two points make a direction.
+        low, why = 2, ""
+    elif resolved == "tsne":
+        if isinstance(kw["init"], str) and kw["init"] == "pca":
+            raise ValueError("method_kw: init='pca' takes the principal components of the "
+                             "input features, and t-SNE here has only the tangent features' "
+                             "precomputed distances (scikit-learn refuses it): pass "
+                             "init='random', the display's, or an array of shape "
+                             f"({n}, 2).")
+        # t-SNE needs a perplexity under the number of samples (the display's default
+        # is, from 3 samples on).
+        perplexity = kw["perplexity"]
+        if isinstance(perplexity, (bool, np.bool_)):
+            # A Real to scikit-learn's check (True ran as a perplexity of 1).
+            raise TypeError(f"method_kw: perplexity must be a float, got {perplexity!r}.")
+        low = max(2, math.floor(perplexity) + 1)
+        why = (f" with perplexity={perplexity!r} (t-SNE's must be under the sample count)"
+               if "perplexity" in given else "")
+    else:
+        if kw.get("unique"):
+            raise ValueError("method_kw: unique=True drops duplicate input rows, which "
+                             "precomputed distances do not have (umap-learn refuses it).")
+        k = kw["n_neighbors"]
+        if "n_neighbors" not in given:
+            # The display's n - 1, at least umap's least, 2.
+            low, why = 3, ""
+        elif (isinstance(k, (bool, np.bool_)) or not isinstance(k, numbers.Integral)
+                or k < 2):
+            raise ValueError(f"method_kw: n_neighbors must be an int of at least 2 "
+                             f"(UMAP's), got {k!r}.")
+        else:
+            # umap-learn truncated more with a warning, after the kernel.
+            low = k + 1
+            why = f" with n_neighbors={k!r} (UMAP's must be under the sample count)"
+    init = kw.get("init")
+    if isinstance(init, np.ndarray) and (init.shape != (n, 2) or init.dtype.kind != "f"
+                                         or not np.isfinite(init).all()):
+        raise ValueError(f"method_kw: init must be an array of finite floats of shape "
+                         f"({n}, 2), one starting point per sample, got {init.dtype} of "
+                         f"shape {init.shape}.")
+    if n < low:
+        raise ValueError(f"A {name} embedding{why} needs at least {low} samples, got {n}.")
 
 
 def _labels(y, n: int, name: str = "y") -> np.ndarray:

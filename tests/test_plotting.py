@@ -15,7 +15,7 @@ import pytest
 import scipy.sparse as sp
 import sklearn
 import torch
-from _reference import jacobian_loop, module_at, zero_feature_network
+from _reference import jacobian_loop, module_at, own_loop, zero_feature_network
 from sklearn.decomposition import KernelPCA
 from sklearn.exceptions import NotFittedError
 from sklearn.manifold import TSNE
@@ -1213,7 +1213,8 @@ def test_tsne_takes_its_keywords_checked_before_the_kernel(circle, monkeypatch):
     monkeypatch.setattr(plotting, "step_kernel", no_kernel)
     for method, kw, match in [
         ("tsne", {"perplexity": 9}, "perplexity=9 .* needs at least 10 samples, got 9"),
-        ("tsne", {"perplexity": 0.0}, "perplexity must be a positive"),
+        ("tsne", {"perplexity": 0.0}, r"method_kw: The 'perplexity' parameter of TSNE must "
+                                      r"be a float in the range \(0.0, inf\)"),
         ("tsne", {"metric": "euclidean"}, "metric is set by the display"),
         ("tsne", {"random_state": 1}, "random_state is set by the display"),
         ("pca", {"n_components": 3}, "n_components is set by the display"),
@@ -1221,12 +1222,121 @@ def test_tsne_takes_its_keywords_checked_before_the_kernel(circle, monkeypatch):
     ]:
         with pytest.raises(ValueError, match=match):
             TangentEmbeddingDisplay.from_estimator(clf, A, method=method, method_kw=kw)
-    with pytest.raises(TypeError, match="perplexity must be a positive float"):
+    with pytest.raises(TypeError, match="'perplexity' parameter of TSNE must be a float"):
         TangentEmbeddingDisplay.from_estimator(clf, A, method="tsne",
                                                method_kw={"perplexity": "3"})
-    with pytest.raises(TypeError, match="unexpected keyword"):  # TSNE's own, at once
+    with pytest.raises(TypeError, match="'perplexit' is not an option of TSNE"):
         TangentEmbeddingDisplay.from_estimator(clf, A, method="tsne",
                                                method_kw={"perplexit": 3})
+
+
+def _count_kernels(monkeypatch):
+    """Replace the kernel by one that counts its calls and fails: a refusal must come
+    before it (the expensive part)."""
+    calls = []
+
+    def no_kernel(*args, **kwargs):
+        calls.append(args)
+        raise AssertionError("the kernel was computed before the refusal")
+
+    monkeypatch.setattr(plotting, "step_kernel", no_kernel)
+    return calls
+
+
+@pytest.mark.parametrize("method, kw, error, match", [
+    # Combinations with the display's precomputed distances / kernel, refused by the
+    # estimators only in fit, on the kernel.
+    ("tsne", {"init": "pca"}, ValueError, "init='pca' takes the principal components"),
+    ("pca", {"fit_inverse_transform": True}, ValueError, "fit_inverse_transform=True"),
+    ("pca", {"remove_zero_eig": True}, ValueError, "remove_zero_eig=True drops"),
+    # An initial embedding that is not one 2-D point per sample (TSNE failed in a
+    # reshape, or in a cast for ints).
+    ("tsne", {"init": np.zeros((8, 2))}, ValueError,
+     r"init must be an array of finite floats of shape \(9, 2\).* got float64 of shape "
+     r"\(8, 2\)"),
+    ("tsne", {"init": np.zeros((9, 2), dtype=int)}, ValueError, "got int64 of shape"),
+    ("tsne", {"init": np.full((9, 2), np.nan)}, ValueError, "array of finite floats"),
+    # Types and ranges: scikit-learn's _parameter_constraints, which fit checks first.
+    ("tsne", {"perplexity": True}, TypeError, "perplexity must be a float, got True"),
+    ("tsne", {"max_iter": 10}, ValueError,
+     r"method_kw: The 'max_iter' parameter of TSNE must be an int in the range \[250"),
+    ("tsne", {"learning_rate": "fast"}, ValueError, "'learning_rate' parameter of TSNE"),
+    ("tsne", {"early_exaggeration": 0.5}, ValueError, "'early_exaggeration' parameter"),
+    ("tsne", {"method": "fast"}, ValueError, "'method' parameter of TSNE"),
+    ("tsne", {"init": [[0.0, 0.0]] * 9}, TypeError, "'init' parameter of TSNE"),
+    ("pca", {"eigen_solver": "lapack"}, ValueError, "'eigen_solver' parameter of KernelPCA"),
+    ("pca", {"tol": -1.0}, ValueError, "'tol' parameter of KernelPCA"),
+    ("pca", {"max_iter": 0}, ValueError, "'max_iter' parameter of KernelPCA"),
+    # Unknown names, named with the closest option.
+    ("pca", {"gama": 1.0}, TypeError,
+     r"'gama' is not an option of KernelPCA \(did you mean 'gamma'\?\)"),
+    ("tsne", {"no_such_option": 1}, TypeError, r"'no_such_option' is not an option of TSNE\.$"),
+])
+def test_embedding_options_are_checked_before_the_kernel(circle, monkeypatch, method, kw,
+                                                         error, match):
+    """Every method_kw option that TSNE or KernelPCA refused only in fit, after the
+    tangent kernel, is refused first, naming the option; no kernel, no figure."""
+    clf, X, _ = circle
+    calls = _count_kernels(monkeypatch)
+    figures = plt.get_fignums()
+    with pytest.raises(error, match=match):
+        TangentEmbeddingDisplay.from_estimator(clf, X[:9], method=method, method_kw=kw)
+    assert calls == [] and plt.get_fignums() == figures
+
+
+def test_an_initial_embedding_of_the_users_reaches_tsne(circle):
+    """A float init of one point per sample passes the checks and is t-SNE's start: the
+    embedding is TSNE's from that init by hand, and another init moves it."""
+    clf, X, _ = circle
+    A = X[:9]
+    K = _loop_gram(clf, -1, A)
+    D = np.sqrt(np.clip(2 - 2 * K, 0, None))
+    np.fill_diagonal(D, 0.0)
+    init = np.random.RandomState(1).normal(size=(9, 2)) * 1e-4
+    kw = {"init": init, "perplexity": 3.0, "max_iter": 250}
+    disp = TangentEmbeddingDisplay.from_estimator(clf, A, method="tsne", method_kw=kw)
+    by_hand = TSNE(metric="precomputed", random_state=0, **kw).fit_transform(D)
+    np.testing.assert_allclose(disp.embedding, by_hand, rtol=1e-5, atol=1e-5)
+    other = TangentEmbeddingDisplay.from_estimator(clf, A, method="tsne",
+                                                   method_kw={**kw, "init": -init})
+    assert np.abs(other.embedding - disp.embedding).max() > 1e-2
+
+
+class _UMAPOptions(_UMAPLike):
+    """_UMAPLike with the umap-learn options the display checks itself."""
+
+    def __init__(self, n_neighbors=15, metric="euclidean", random_state=None, n_jobs=-1,
+                 init="spectral", unique=False):
+        super().__init__(n_neighbors, metric, random_state, n_jobs)
+        self.init, self.unique = init, unique
+
+
+@pytest.mark.parametrize("n, kw, error, match", [
+    # umap-learn truncated n_neighbors past the samples with a warning, after the kernel.
+    (12, {"n_neighbors": 12}, ValueError,
+     r"UMAP embedding with n_neighbors=12 .* needs at least 13 samples, got 12"),
+    (12, {"n_neighbors": 1}, ValueError, "n_neighbors must be an int of at least 2"),
+    (12, {"n_neighbors": 4.5}, ValueError, r"n_neighbors must be an int .* got 4\.5"),
+    (12, {"n_neighbors": True}, ValueError, "n_neighbors must be an int"),
+    (12, {"unique": True}, ValueError, "unique=True drops duplicate input rows"),
+    (12, {"init": np.zeros((12, 3))}, ValueError, r"shape \(12, 2\)"),
+    (12, {"n_neighbours": 4}, TypeError, "did you mean 'n_neighbors'"),
+    # The display's own n_neighbors (n - 1 = 1) was under umap's least, 2.
+    (2, {}, ValueError, "UMAP embedding needs at least 3 samples, got 2"),
+])
+def test_umap_options_are_checked_before_the_kernel(circle, monkeypatch, n, kw, error,
+                                                    match):
+    """umap-learn is not installed in the test environment: a stand-in with its
+    signature checks the display's own checks of UMAP's sample-dependent and
+    precomputed-distance options (umap's other value checks stay its own, in fit)."""
+    clf, X, _ = circle
+    umap = type(sys)("umap")
+    umap.UMAP = _UMAPOptions
+    monkeypatch.setitem(sys.modules, "umap", umap)
+    calls = _count_kernels(monkeypatch)
+    with pytest.raises(error, match=match):
+        TangentEmbeddingDisplay.from_estimator(clf, X[:n], method="umap", method_kw=kw)
+    assert calls == []
 
 
 def test_a_regressors_int_targets_are_values_a_classifiers_labels():
@@ -1488,3 +1598,95 @@ def test_a_display_keeps_no_closed_figure_alive():
     disp.plot(ax=ax)
     assert len(fig.axes) == 2
     pickle.loads(pickle.dumps(disp))
+
+
+def _refused_before_drawing(monkeypatch, error, match, draw):
+    """``draw(ax)`` raises ``error`` matching ``match`` with no kernel computed, the given
+    axes untouched and no figure made."""
+    calls = _count_kernels(monkeypatch)
+    fig, ax = plt.subplots()
+    ax.set_title("mine")
+    children, figures = len(ax.get_children()), plt.get_fignums()
+    with pytest.raises(error, match=match):
+        draw(ax)
+    assert calls == [] and plt.get_fignums() == figures
+    assert len(ax.get_children()) == children and ax.get_title() == "mine"
+
+
+@pytest.mark.parametrize("steps", [[], [[0, 1]], [0.5], "0"])
+def test_steps_that_are_not_a_list_of_ints_are_refused(circle, monkeypatch, steps):
+    # The branch of _recorded_points that no test reached (s55 coverage).
+    clf, X, _ = circle
+    match = r"steps must be None or a non-empty 1-D sequence of ints\."
+    _refused_before_drawing(monkeypatch, ValueError, match, lambda ax: (
+        KernelEvolutionDisplay.from_estimator(clf, X[0], X[1:3], steps=steps, ax=ax)))
+    _refused_before_drawing(monkeypatch, ValueError, match, lambda ax: (
+        RankGapDisplay.from_estimator(clf, X[:4], X[4:6], steps=steps, ax=ax)))
+
+
+def test_block_means_without_classes_is_refused():
+    disp = KernelMatrixDisplay(np.eye(3))
+    with pytest.raises(ValueError, match=r"block_means needs the class of each row \(y\)"):
+        disp.block_means()
+    # With them, the means are there (the refusal is about y alone).
+    K = np.arange(16.0).reshape(4, 4)
+    means = KernelMatrixDisplay(K, y=[0, 0, 1, 1]).block_means(include_diagonal=True)
+    np.testing.assert_allclose(means, [[K[:2, :2].mean(), K[:2, 2:].mean()],
+                                       [K[2:, :2].mean(), K[2:, 2:].mean()]])
+
+
+def test_kernel_evolution_refuses_several_inputs_as_x(circle, monkeypatch):
+    """x is one input: a features network's x of more than 2 axes, and several images
+    for an image network (with its training inputs or without), are refused before the
+    kernel, naming what was given."""
+    clf, X, _ = circle
+    _refused_before_drawing(
+        monkeypatch, ValueError, r"x is one input of n_features values, got shape "
+        r"\(1, 1, 2\)", lambda ax: KernelEvolutionDisplay.from_estimator(
+            clf, X[:1, None], X[1:3], ax=ax))
+    for with_inputs in (True, False):
+        net, images = own_loop("cnn", X_train=with_inputs)
+        _refused_before_drawing(
+            monkeypatch, ValueError, "x must be one input, got 3 of them",
+            lambda ax, net=net, images=images: KernelEvolutionDisplay.from_estimator(
+                net, images[:3], images[3:5], ax=ax))
+
+
+def test_tangent_embedding_refuses_umap_without_umap_learn_and_method_kw_not_a_dict(
+        circle, monkeypatch):
+    clf, X, _ = circle
+    monkeypatch.setitem(sys.modules, "umap", None)  # not importable, installed or not
+    _refused_before_drawing(monkeypatch, ImportError, "method='umap' needs umap-learn",
+                            lambda ax: TangentEmbeddingDisplay.from_estimator(
+                                clf, X, method="umap", ax=ax))
+    _refused_before_drawing(
+        monkeypatch, TypeError, "method_kw must be a dict of keyword arguments or None, got "
+        "list", lambda ax: TangentEmbeddingDisplay.from_estimator(
+            clf, X, method="pca", method_kw=[("eigen_solver", "dense")], ax=ax))
+
+
+def test_an_embedder_taking_any_keyword_gets_them_all(circle, monkeypatch):
+    """An embedding class whose constructor takes **kwargs has no unknown keywords: the
+    names are not checked against its signature, and reach it."""
+    clf, X, _ = circle
+    made = []
+
+    class AnyOption(_UMAPLike):
+        def __init__(self, n_neighbors=15, **kw):
+            super().__init__(n_neighbors, kw.pop("metric"), kw.pop("random_state"),
+                             kw.pop("n_jobs", -1))
+            made.append(kw)
+
+    umap = type(sys)("umap")
+    umap.UMAP = AnyOption
+    monkeypatch.setitem(sys.modules, "umap", umap)
+    TangentEmbeddingDisplay.from_estimator(clf, X[:12], method="umap",
+                                           method_kw={"anything": 1})
+    assert made == [{"anything": 1}]
+
+
+def test_an_embedding_display_made_by_hand_is_titled_by_its_method():
+    E = np.random.RandomState(0).normal(size=(5, 2))
+    ax = TangentEmbeddingDisplay(E, method="t-SNE").plot().ax_
+    assert ax.get_title() == "tangent features (t-SNE)"
+    assert TangentEmbeddingDisplay(E).plot().ax_.get_title() == ""

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
-from _reference import jacobian_loop
+from _reference import features_loop, jacobian_loop, module_at, own_loop
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.base import clone
 
@@ -2161,3 +2161,50 @@ def test_the_refused_options_are_those_the_user_guide_lists():
                 expected.add((cls.__name__, option))
     assert refused == expected
     assert ("RMSprop", "momentum") in refused and ("SGD", "momentum") not in refused
+
+
+def _tangent_distances(net, Xq, X_fit, step, normalized):
+    """Brute-force kneighbors distances: per-sample autograd Jacobians at ``step`` (float64),
+    the trace kernel, and the feature-space distance (cosine-normalised or raw)."""
+    JQ, JF = jacobian_loop(module_at(net, step), Xq), jacobian_loop(module_at(net, step), X_fit)
+    C = JQ.shape[1]
+    K = np.einsum("qcp,ncp->qn", JQ, JF) / C
+    dq, df = np.einsum("qcp,qcp->q", JQ, JQ) / C, np.einsum("ncp,ncp->n", JF, JF) / C
+    if normalized:
+        return np.sqrt(np.clip(2.0 - 2.0 * K / np.sqrt(dq[:, None] * df[None, :]), 0, None))
+    return np.sqrt(np.clip(dq[:, None] + df[None, :] - 2.0 * K, 0, None))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_recorded_network_transforms_and_finds_neighbours_as_the_estimators(kind):
+    """The s49 trial: a RecordedNetwork (a user's own loop) had no kneighbors nor
+    transform, which the estimators and TrainedNetwork have. transform is a per-sample
+    autograd loop's flattened Jacobian / sqrt(C); kneighbors is the argsort of the
+    hand-computed tangent-kernel distances, queries given or the training set itself
+    (a point not its own neighbour)."""
+    net, X = own_loop(kind, n_outputs=2)
+    Xq = X[:5] + 0.1
+    phi = net.transform(Xq)
+    assert phi.dtype == np.float64 and phi.shape == (5, 2 * net.n_params_)
+    assert_allclose(phi, features_loop(module_at(net), Xq), rtol=1e-10, atol=1e-12)
+    for step, normalized in [(-1, True), (0, False)]:
+        D = _tangent_distances(net, Xq, X, step, normalized)
+        dist, ind = net.kneighbors(Xq, 4, step=step, normalized=normalized)
+        assert_array_equal(ind, np.argsort(D, axis=1, kind="stable")[:, :4])
+        assert_allclose(dist, np.take_along_axis(D, ind, axis=1), rtol=1e-8, atol=1e-10)
+    D = _tangent_distances(net, X, X, -1, True)
+    np.fill_diagonal(D, np.inf)  # a training point is not its own neighbour
+    ind = net.kneighbors(n_neighbors=3, return_distance=False)
+    assert_array_equal(ind, np.argsort(D, axis=1, kind="stable")[:, :3])
+
+
+def test_recorded_network_without_x_train_transforms_but_has_no_neighbours():
+    """Without X_train the outputs per sample are counted on X (an own loop declares
+    none), so transform works; kneighbors needs the training inputs and says so."""
+    net, X = own_loop(n_outputs=3, X_train=False)
+    assert_allclose(net.transform(X[:4]), features_loop(module_at(net), X[:4]),
+                    rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="kneighbors needs the training inputs"):
+        net.kneighbors(X[:2], 1)
+    with pytest.raises(ValueError, match=r"could not take X of shape \(2, 5\)"):
+        net.transform(np.ones((2, 5)))

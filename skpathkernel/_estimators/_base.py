@@ -424,7 +424,7 @@ class FittedNetworkMixin:
         budget = self._budget()
         if projection is None:
             what = "Dense tangent features"
-            row = self._check_feature_row_fits(what)
+            row = self._check_feature_row_fits(what, self._outputs_per_sample(X))
         else:
             what, row = "The projected tangent features", projection[0] * X_t.element_size()
         block = feature_block_rows(budget, row, what)
@@ -442,9 +442,14 @@ class FittedNetworkMixin:
                                              budget, exclude, block, projection,
                                              align=block))
 
-    def _check_feature_row_fits(self, what):
-        """One sample's dense tangent features (C x P values) must fit the budget."""
-        n_out = self.n_outputs_
+    def _outputs_per_sample(self, X) -> int:
+        """Outputs of the network per sample of ``X`` (validated): ``n_outputs_``."""
+        return self.n_outputs_
+
+    def _check_feature_row_fits(self, what, n_out=None):
+        """One sample's dense tangent features (C x P values) must fit the budget;
+        ``n_out``: the outputs per sample, None for ``n_outputs_``."""
+        n_out = self.n_outputs_ if n_out is None else n_out
         itemsize = torch.empty((), dtype=self.network_.torch_dtype).element_size()
         row = n_out * self.n_params_ * itemsize
         rows_per_block(self._budget(), row,

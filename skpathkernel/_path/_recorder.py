@@ -68,8 +68,9 @@ from sklearn.base import BaseEstimator
 from torch.nn.parallel import DistributedDataParallel
 
 from .._device import to_input_tensor
-from .._estimators._base import NetworkAttributesMixin
+from .._estimators._base import FittedNetworkMixin, NetworkAttributesMixin
 from .._network._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
+from .._network._inputs import check_representable
 from .._network._trained import TrainedNetwork, warn_not_finite, warn_recorded_probes
 from .._validation import check_memory_budget
 from .._warnings import VersionedStateMixin
@@ -1801,14 +1802,16 @@ _X_TRAIN_FORM = ("array-like of shape (n_queries, n_features) or (n_queries, ...
                  "    In the form of ``X_train``.")
 
 
-class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, VersionedStateMixin,
-                      BaseEstimator):
+class RecordedNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributesMixin,
+                      VersionedStateMixin, BaseEstimator):
     """A recorded path and its network, usable where the library takes a fitted estimator.
 
     Exposes the recorded network as a :class:`~skpathkernel.TrainedNetwork`
     (``network_``, built from the current parameters), which
     :class:`~skpathkernel.kernels.TangentKernel` and :class:`~skpathkernel.kernels.PathKernel`
-    read, the two kernels as ``tangent_kernel_`` and ``path_kernel_``, and :meth:`decompose`. It
+    read, the two kernels as ``tangent_kernel_`` and ``path_kernel_``, and the estimators'
+    verbs: :meth:`decompose`, :meth:`attribute`, :meth:`explain`, :meth:`kneighbors`,
+    :meth:`transform` (the tangent features) and :meth:`self_influence`. It
     is fitted by construction: :meth:`fit` does nothing (as
     ``sklearn.frozen.FrozenEstimator``), and ``clone`` returns an equally fitted copy.
 
@@ -1871,6 +1874,13 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, VersionedStat
     ...                         random_state=0).fit(X, y)
     >>> net = RecordedNetwork(est.module_, est.trajectory_, X_train=X, y_train=y)
     >>> bool(np.allclose(net.path_kernel_(X), est.path_kernel_(X)))
+    True
+    >>> phi = net.transform(X[:3])  # the tangent features, as the estimators'
+    >>> phi.shape == (3, net.n_params_), bool(np.allclose(phi @ phi.T,
+    ...                                               net.tangent_kernel_(X[:3])))
+    (True, True)
+    >>> ind = net.kneighbors(X[:2], n_neighbors=3, return_distance=False)
+    >>> bool(np.array_equal(ind, est.kneighbors(X[:2], n_neighbors=3)[1]))
     True
     """
 
@@ -1983,6 +1993,40 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, VersionedStat
 
     def __sklearn_is_fitted__(self) -> bool:
         return True
+
+    def _validate_X(self, X):
+        # The network's own check, as its kernels take X: X_train is optional, and
+        # without it any (n, ...) array the module runs is taken (scikit-learn's
+        # validate_data would read an n_features_in_ it does not have).
+        net = self._network()
+        X = net.check(X)
+        check_representable(X, net.torch_dtype)
+        return X
+
+    def _outputs_per_sample(self, X) -> int:
+        # An own loop declares no number of outputs: one sample's forward pass counts
+        # them (as the meta-estimators count a RecordedNetwork's in fit).
+        return self._network().outputs(X[:1]).shape[1]
+
+    def transform(self, X) -> np.ndarray:
+        """Tangent features phi(x) = d f(x; theta_T) / d theta at the last recorded point.
+
+        As the estimators' ``transform``: inner products of the rows are the tangent
+        kernel ``tangent_kernel_``.
+
+        Parameters
+        ----------
+        X : array-like or tensor of shape (n_samples, ...)
+            In the form of ``X_train`` when it was given.
+
+        Returns
+        -------
+        phi : ndarray of shape (n_samples, n_params_) or (n_samples, n_outputs * n_params_)
+            One row per sample, columns in ``trajectory_`` flat order, in the network's
+            dtype. For several outputs, the flattened Jacobian divided by
+            ``sqrt(n_outputs)``, whose inner products are the trace kernel.
+        """
+        return self._tangent_features(X)
 
     def predict(self, X) -> np.ndarray:
         """Network outputs ``f(X; theta_T)`` at the last recorded point.

@@ -748,8 +748,8 @@ class KernelNeighborsDisplay:
             distances = np.sqrt(np.take_along_axis(d, neighbors, axis=1))
             title = f"{n_neighbors} nearest training points, Euclidean"
         else:
-            # A RecordedNetwork has no kneighbors: its network's (an estimator's own
-            # also checks the anchors' column names against the fit's).
+            # The estimator's own kneighbors where it has one: an estimator's also
+            # checks the anchors' column names against the fit's.
             finder = estimator if hasattr(estimator, "kneighbors") else net
             distances, neighbors = finder.kneighbors(queries, n_neighbors, kernel=kernel,
                                                      step=step, normalized=normalized)

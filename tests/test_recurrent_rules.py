@@ -12,6 +12,7 @@ reason says what declined them.
 """
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from skpathkernel._tangent import tangent_features, tangent_gram
+from skpathkernel._tangent._capture import checked_capture
 from skpathkernel._tangent._recurrent import _expand
 from skpathkernel.rules import check_rule, layer_routes
 
@@ -252,6 +254,24 @@ def test_packed_batch_of_one_matches_loop(cell):
     assert _routes(net, X)[type(net.rnn).__name__] == ("rule", "")
     _close(tangent_gram(net, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
     _close(tangent_features(net, params, X, output="full"), J)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_torchs_refusal_of_a_batch_out_of_order_is_checked_in_order_silently(cell):
+    # pack_padded_sequence(enforce_sorted=True) raises on the check's cycle (in no sorted
+    # order) and would on its last pair: the check runs on x0, x1 in X's order, without a
+    # warning (the network cannot reorder a batch it requires sorted).
+    torch.manual_seed(0)
+    net = _Packed(cell, True).double().eval()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    X = _padded([6, 5, 5, 3, 2, 1, 1])
+    J = jacobian_loop(net, X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rows = checked_capture(net, params, X, [0, 1], memory_budget=2**24)[0]
+        K = tangent_gram(net, params, X, output="full")
+    assert torch.equal(rows, X[:2])
+    _close(K, torch.einsum("ncp,mdp->ncmd", J, J))
 
 
 class _SortedByTheForward(nn.Module):

@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import math
 import threading
+import warnings
 import weakref
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -54,6 +55,7 @@ from .._checkpoint import functional_call
 from .._device import forked_rng, forward_input
 from .._network._inputs import check_outputs
 from .._path._training import mode_dependent_layers, refused_in_mode
+from .._warnings import caller_stacklevel
 from . import _layers  # noqa: F401  (registers the built-in rules)
 from ._cnn import cnn_backprops, first_formed, pools_first
 from ._contract import dense_grad, grad_times, one_hot, param_numel, split_constant_inputs
@@ -87,7 +89,7 @@ from ._saved import SavedWatch, differentiable_forward
 from ._saved import tensors as _tensors
 
 __all__ = ["Capture", "capture", "check_functional_lookups", "check_lookups",
-           "check_per_sample", "check_rows", "checked_capture", "forward",
+           "check_per_sample", "check_rows", "check_samples", "checked_capture", "forward",
            "plain_cnn_capture", "value_dtype"]
 
 # Why a rule layer's parameters went to the fallback (reported by layer_routes).
@@ -410,7 +412,7 @@ class _UseWatch(TorchFunctionMode):
     Metadata reads (``.shape``, ``.size()``) return no tensor and are ignored. This is
     structural: it holds on every sample, whatever the parameter values. Code that torch
     functions do not see (TorchScript, C++ extensions, ``DisableTorchFunction``) is not
-    watched here: :func:`_numerical_misfits` checks the first samples for it
+    watched here: :func:`_numerical_misfits` checks a few samples for it
     (:func:`check_rows`).
 
     The mode is thread-local; the hooks that maintain ``frames`` live on the module and
@@ -1516,17 +1518,34 @@ CHECK_SAMPLES = 3
 #: Copies of its rows that the check holds at once: the rows, the forward pass's copy,
 #: the check's own and their gradient.
 _CHECK_COPIES = 4
+#: torch's refusal of a batch out of its order (``pack_padded_sequence`` and
+#: ``pack_sequence`` with ``enforce_sorted=True``; torch 2.13: "`lengths` array must be
+#: sorted in decreasing order when `enforce_sorted` is True. You can pass ...").
+_UNSORTED_REFUSAL = ("must be sorted in decreasing order", "enforce_sorted")
 
 
-def check_rows(X: torch.Tensor, memory_budget: int) -> list[torch.Tensor]:
+def check_samples(n: int, k: int = CHECK_SAMPLES) -> list[int]:
+    """The ``min(k, n)`` samples of ``n`` that the check takes: the first ``k - 1`` and
+    the last (``0, 1, n - 1`` for three; the first alone for one). A tie of the checked
+    samples on a sort's key hides the sort (:func:`check_rows`): a batch ordered or
+    grouped by the key (sequences bucketed by length) ties on its first three far more
+    often than on its first and last, and one interleaving the key's values (``1, 2, 3,
+    1, 2, 3, 1``) on its first, middle and last, not on adjacent samples (session s55,
+    ``benchmarks/results/reorder_check-s55.md``)."""
+    if k >= n:
+        return list(range(n))
+    return [0] if k == 1 else [*range(k - 1), n - 1]
+
+
+def check_rows(X: torch.Tensor, memory_budget: int) -> Sequence[torch.Tensor]:
     """The groups of rows :func:`_numerical_misfits` checks, each with a capture of its
-    own: a cycle of the first ``CHECK_SAMPLES`` samples of ``X`` and the first again
-    (``x0, x1, x2, x0``; ``x0, x1, x0`` for two; longer, ``x0, x1, x2, x0, x1``, where X
-    has an axis of that length), or, where its copies of the rows do not fit an eighth
-    of ``memory_budget`` (wide inputs: the probe of two rows was already the peak of a
-    call with a small budget), the cycle's pairs ``(x0, x1), (x1, x2), (x2, x0)`` one at
-    a time (the probe's memory of two rows; three captures and checks). One sample is
-    taken alone.
+    own: a cycle of the ``CHECK_SAMPLES`` samples of :func:`check_samples` (the first
+    two and the last of ``X``) and the first again (``x0, x1, xl, x0``; ``x0, x1, x0`` for
+    two; longer, ``x0, x1, xl, x0, x1``, where X has an axis of that length), or, where
+    its copies of the rows do not fit an eighth of ``memory_budget`` (wide inputs: the
+    probe of two rows was already the peak of a call with a small budget), the cycle's
+    pairs (:class:`_CyclePairs`) one at a time (the probe's memory of two rows; three
+    captures and checks). One sample is taken alone.
 
     The check weights each group's rows 1, 2, ... (see there), so it sees a forward pass
     that reorders the rows before a rule layer wherever the reordering moves a row of a
@@ -1536,19 +1555,38 @@ def check_rows(X: torch.Tensor, memory_budget: int) -> list[torch.Tensor]:
     samples tie on its key; two identical rows swapped give the same factors, so the
     cycle's repeated row is never a false alarm.
     """
-    k = min(CHECK_SAMPLES, X.shape[0])
+    picks = check_samples(X.shape[0])
+    k = len(picks)
     if k < 2:
         return [X[:1]]
-    # The cycle's length differs from every other axis of X (``x0, x1, x2, x0, x1`` where
+    # The cycle's length differs from every other axis of X (``x0, x1, xl, x0, x1`` where
     # a sequence has 4 steps): the capture tells a layer's rows from the samples by their
     # count, and a time-major transpose of X puts the steps first.
     length = k + 1
     while length in X.shape[1:]:
         length += 1
     if _CHECK_COPIES * length * X[0].numel() * X.element_size() <= memory_budget // 8:
-        return [X[[i % k for i in range(length)]]]
-    return [X[:2]] + [X[i:i + 2] if i + 2 <= k else X[[i, (i + 1) % k]]
-                      for i in range(1, k)]
+        return [X[[picks[i % k] for i in range(length)]]]
+    return _CyclePairs(X, picks)
+
+
+class _CyclePairs(Sequence):
+    """The pairs of the cycle of ``X``'s rows ``picks`` (ascending): ``(x0, x1), (x1, xl),
+    (xl, x0)``, all in a sort's order only where its keys tie. Each pair is made when
+    read, so that the check holds two of its rows at a time (:func:`_checked` reads them
+    in turn): a view of ``X`` where the two rows are adjacent, else a copy of the two (a
+    network may flatten its batch, ``x.view(-1, d)``, which a strided view refuses)."""
+
+    def __init__(self, X: torch.Tensor, picks: list[int]):
+        self.X, self.picks = X, picks
+
+    def __len__(self) -> int:
+        return len(self.picks)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        i = range(len(self))[i]
+        a, b = self.picks[i], self.picks[(i + 1) % len(self)]
+        return self.X[a:b + 1] if b == a + 1 else self.X[[a, b]]
 
 
 def checked_capture(module, params, X, outputs, *, memory_budget, batch_bytes=0,
@@ -1557,30 +1595,71 @@ def checked_capture(module, params, X, outputs, *, memory_budget, batch_bytes=0,
     :func:`_numerical_misfits` sends to the fallback over every group: ``(rows, cap,
     misfits)``, ``cap`` the capture of ``rows`` (the other groups captured too, alike).
 
-    A network that refuses the check's rows out of ``X``'s order (one that needs its batch
-    sorted: ``pack_padded_sequence`` with ``enforce_sorted=True`` raises on the cycle) is
-    checked on its first two samples in ``X``'s order instead, as before session s54: it
-    cannot reorder a batch it requires sorted, and an error of its own raises there again.
+    Where the check's rows raise, what a user would want decides the retry:
+
+    - torch's refusal of a batch out of its order (``pack_padded_sequence`` with
+      ``enforce_sorted=True`` raises on the cycle, which no sorted order holds): the check
+      runs on the first two samples in ``X``'s order, silently, as before session s54. The
+      network cannot reorder a batch it requires sorted, and an error of its own raises
+      there again.
+    - any other error (a network that refuses a sample twice in a batch, an out-of-memory
+      error on the cycle's rows, a rule's error on them): the cycle's pairs, two distinct
+      rows at a time, which see a sort as the cycle does; where they raise too, the first
+      two samples in ``X``'s order, with a warning that names the cycle's error and says
+      that a reordering of the batch before a layer then goes unseen. Re-raising would
+      refuse a Gram that is right unless the network sorts its batch, which the check on
+      ``X``'s order still verifies in every other respect (a hidden read); a silent retry
+      hid the loss of the sort's detection and a genuine error alike.
     """
+    def run(groups):
+        return _checked(module, params, groups, outputs, memory_budget, batch_bytes,
+                        capture_kw)
+
+    groups = check_rows(X, memory_budget)
     try:
-        return _checked(module, params, check_rows(X, memory_budget), outputs,
-                        memory_budget, batch_bytes, capture_kw)
-    except Exception:
+        return run(groups)
+    except Exception as error:
         if X.shape[0] < 2:
             raise
-    return _checked(module, params, [X[:2]], outputs, memory_budget, batch_bytes, capture_kw)
+        # The error's text only: its traceback holds the failed pass's tensors (an
+        # out-of-memory error's among them) alive through the retry.
+        refused = isinstance(error, RuntimeError) and all(
+            s in str(error) for s in _UNSORTED_REFUSAL)
+        why = f"{type(error).__name__}: {str(error).strip()[:300]}"
+    cycle = len(groups) == 1
+    del groups  # the cycle's rows, copied
+    if refused:
+        return run([X[:2]])
+    if cycle:
+        try:
+            return run(_CyclePairs(X, check_samples(X.shape[0])))
+        except Exception:
+            pass
+    # The warning after the check: where x0, x1 raise too, the network's error alone.
+    out = run([X[:2]])
+    warnings.warn(
+        "The autograd check of the layers' rules raised on the rows it takes out of X's "
+        f"order ({why}); it ran on the first two samples in X's order instead, where it "
+        "cannot see a forward pass that reorders the batch (a sort by the data) before a "
+        "layer: such a layer would keep its rule, and its part of the Gram be wrong.",
+        UserWarning, stacklevel=caller_stacklevel())
+    return out
 
 
 def _checked(module, params, groups, outputs, memory_budget, batch_bytes, capture_kw):
-    cap = capture(module, params, groups[0], outputs, memory_budget=memory_budget,
+    # The groups read in turn, each let go before the next is made (_CyclePairs).
+    groups = iter(groups)
+    first = next(groups)
+    cap = capture(module, params, first, outputs, memory_budget=memory_budget,
                   **capture_kw)
-    bad = _numerical_misfits(module, params, groups[0], cap, outputs, batch_bytes)
+    bad = _numerical_misfits(module, params, first, cap, outputs, batch_bytes)
     others = {k: v for k, v in capture_kw.items() if k not in ("exclude", "measure_graph")}
-    for rows in groups[1:]:
+    for rows in groups:
         more = capture(module, params, rows, outputs, memory_budget=memory_budget,
                        exclude=cap.exclude, **others)
         bad |= _numerical_misfits(module, params, rows, more, outputs, batch_bytes)
-    return groups[0], cap, bad
+        del rows, more
+    return first, cap, bad
 
 
 def _numerical_misfits(

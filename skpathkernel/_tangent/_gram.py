@@ -395,6 +395,7 @@ from ._capture import (
     Capture,
     capture,
     check_per_sample,
+    check_samples,
     checked_capture,
     forward,
     plain_cnn_capture,
@@ -1142,14 +1143,17 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
                          f"{tuple(X.shape)}.")
     if X.is_complex() or X.dtype == torch.bool:
         raise TypeError(f"X must hold real numbers or integer token ids, got {X.dtype}.")
+    if Y is not None:
+        # Before any work (the check below runs the network on X's rows and Y's).
+        _check_y(X, Y)
     check_per_sample(module)
     n_outputs = forward(module, params, X[:1]).shape[1]
     outputs, mode = _resolve_output(output, n_outputs)
     # The first sample's factors give the per-row size of every block's factors, and the
     # capture finds the parameters read outside their layer (every block's capture
-    # checks again, see _consistent_routing); the autograd check on the first three
-    # samples and the first again (check_rows) covers reads that torch functions do not
-    # see, and rows reordered by the data (a sort of the batch before a layer).
+    # checks again, see _consistent_routing); the autograd check on the first two and
+    # the last samples and the first again (check_rows) covers reads that torch functions
+    # do not see, and rows reordered by the data (a sort of the batch before a layer).
     # The sites' outputs handed on uncopied, as the chunks hand them on (:class:`_Blocks`,
     # capture's ``copy_sites``; copied where one is rewritten in place, here as there):
     # the graph's bytes (:func:`_kept_forward_groups`) are then those a kept forward pass
@@ -1158,13 +1162,15 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
     kw = dict(exclude=exclude, index=True, measure_graph=True, copy_sites=False, fold_bn=True)
     if check_hidden:
         # A cross Gram of fewer rows in X than the check takes (one query against a
-        # training set) checks Y's first rows after X's: Y's blocks are batches that a
-        # forward sorting its batch reorders (one row of X checked alone saw no sort,
-        # the Gram 42% off; tests/test_tangent.py::test_a_cross_gram_of_one_query_checks_ys_rows).
+        # training set) checks rows of Y after X's: Y's blocks are batches that a forward
+        # sorting its batch reorders (one row of X checked alone saw no sort, the Gram
+        # 42% off; tests/test_tangent.py::test_a_cross_gram_of_one_query_checks_ys_rows).
+        # Y's first and last, as X's are taken (check_samples): Y's first rows may tie on
+        # a sort key.
         checked = X
-        if (Y is not None and X.shape[0] < CHECK_SAMPLES and Y.shape[1:] == X.shape[1:]
-                and Y.dtype == X.dtype and Y.device == X.device):
-            checked = torch.cat([X, Y[:CHECK_SAMPLES - X.shape[0]]])
+        if Y is not None and X.shape[0] < CHECK_SAMPLES and Y.device == X.device:
+            picks = check_samples(Y.shape[0], CHECK_SAMPLES - X.shape[0])
+            checked = torch.cat([X, Y[picks]])
         # The check's batched pass over the outputs in the eighth of the budget that
         # captures take (session s53).
         rows, probe, hidden = checked_capture(

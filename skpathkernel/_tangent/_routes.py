@@ -186,7 +186,7 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
 
     Runs the capture of the structured engine (and its autograd check for reads that torch
     functions do not see and for a forward pass that reorders the samples before a layer)
-    on the first samples of ``X`` (the cycle ``x0, x1, x2, x0`` of
+    on a few samples of ``X`` (the cycle ``x0, x1, xl, x0`` of its first two and last, of
     :func:`._capture.check_rows`), so the routes are those every kernel, feature and
     decomposition computation on such inputs takes.
 

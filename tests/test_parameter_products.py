@@ -409,7 +409,7 @@ def test_a_broadcast_bias_falls_back_exactly(shape):
 
 class _Projections(nn.Module):
     """Attention's q, k, v of one input x, by raw products (x @ Wq, F.linear(x, Wk),
-    torch.matmul(x, Wv)), by F.linear on its rows flattened, or by nn.Linear layers of the
+    torch.matmul(x, Wv)), by the same on its rows flattened, or by nn.Linear layers of the
     same shapes."""
 
     def __init__(self, read, d=4):
@@ -425,8 +425,9 @@ class _Projections(nn.Module):
         if self.read == "raw":
             q, k, v = x @ self.Wq.T, F.linear(x, self.Wk), torch.matmul(x, self.Wv.T)
         elif self.read == "flat":
-            q, k, v = (F.linear(x.reshape(-1, x.shape[-1]), W).view(x.shape)
-                       for W in (self.Wq, self.Wk, self.Wv))
+            rows = x.reshape(-1, x.shape[-1])
+            q, k, v = (F.linear(rows, self.Wq).view(x.shape), (rows @ self.Wk.T).view(x.shape),
+                       torch.matmul(rows, self.Wv.T).view(x.shape))
         else:
             q, k, v = self.q(x), self.k(x), self.v(x)
         att = torch.softmax(q @ k.mT, dim=-1)
@@ -439,7 +440,8 @@ def test_raw_products_hold_what_linear_layers_hold(copy_sites):
     # copied their outputs all the same (s54: F.linear's site, and x @ P through the
     # transposed rule's expand), q, k and v held twice by the graph (the sites and the
     # copies that q @ k.mT and att @ v save). Now as nn.Linear's: the same graph bytes,
-    # also for F.linear on flattened rows (s55: the fallback), its site viewed back.
+    # also for products on flattened rows (s55: F.linear's fell back, x @ P's copied),
+    # their sites viewed back.
     torch.manual_seed(0)
     X = torch.randn(6, 5, 4, dtype=torch.float64)
     held = {}

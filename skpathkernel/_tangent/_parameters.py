@@ -379,14 +379,19 @@ def _linear_expand(layer, func, args, kwargs):
 
 def _matmul_expand(layer, func, args, kwargs):
     """``x @ P``, ``torch.addmm(b, x, P)`` (arguments by position) as a site: on an input
-    whose rows are flattened, the transposed rule's expand (which copies its output);
-    otherwise one site ``(x, z)``, handed on by the capture as a rule layer's output (not
-    copied where the capture hands sites on uncopied, as ``nn.Linear``'s)."""
+    whose rows are flattened, ``x @ P`` runs on them per sample as :func:`_linear_expand`
+    does (``torch.matmul`` folds them back into the one product), and ``torch.addmm`` as
+    the transposed rule's expand (which copies its output: ``addmm`` takes no samples
+    axis); otherwise one site ``(x, z)``."""
     x = args[1] if func is torch.addmm else args[0]
-    if _samples_first(x) is not x:
+    a = _samples_first(x)
+    if a is x:
+        z = func(*args)
+        return z, [(x, z)]
+    if func is torch.addmm:
         return IN_OUT.expand(layer, func, args, kwargs)
-    z = func(*args)
-    return z, [(x, z)]
+    z = torch.matmul(a, args[1])
+    return z.view(*x.shape[:-1], z.shape[-1]), [(a, z)]
 
 
 def product_site(func, args, kwargs, free: dict[int, str], views: dict[int, tuple | str]

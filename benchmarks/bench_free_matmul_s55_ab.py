@@ -15,7 +15,9 @@ capture of the rows as the engine runs it (``copy_sites=False``): what the forwa
 holds for the backward passes, the sites and their inputs.
 
 Usage: ``taskset -c 0 python -m benchmarks.bench_free_matmul_s55_ab [REF] [RESULTS]``
-(REF ``main``; RESULTS ``free_matmul-s55``). Writes ``benchmarks/results/RESULTS.md`` and
+(REF ``main``; RESULTS ``free_matmul-s55``; ``REPS``, and ``ONLY`` a part of the case names
+to run, in the environment: ``free_matmul-s55-attention`` is ``ONLY=attention REPS=21``).
+Writes ``benchmarks/results/RESULTS.md`` and
 ``.json``.
 """
 
@@ -38,6 +40,9 @@ from skpathkernel.kernels import TangentKernel
 
 ROOT = Path(__file__).resolve().parent.parent
 REPS = int(os.environ.get("REPS", "5"))
+# Only the cases whose names hold this (ONLY="attention": the memory-only change, rerun
+# with more rounds).
+ONLY = os.environ.get("ONLY", "")
 
 
 class KeywordMLP(nn.Module):
@@ -77,7 +82,7 @@ def _cases():
             KeywordMLP(), X, {"W1", "b1", "W2", "b2"})
         cases[f"flattened-rows MLP 32-64-32, L=16, N={n}, C=4"] = (
             FlatMLP(), X, {"W1", "b1", "b2"})
-    return cases
+    return {case: v for case, v in cases.items() if ONLY in case}
 
 
 def _memory(cap_fn, net, params, est, X):

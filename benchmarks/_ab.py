@@ -86,12 +86,16 @@ def ab_provenance(root, script, paths, ref, reps, **extra):
                 reps=reps, **extra)
 
 
-def reference_module(root, ref, module):
+def reference_module(root, ref, module, replace=()):
     """The package module at path ``module`` (``skpathkernel/...py``) as it is at git
     ``ref``, imported beside the working tree's as ``<its name>_ref`` (in its package, so
-    that its relative imports resolve)."""
+    that its relative imports resolve; ``replace``: ``(old, new)`` pairs of its source,
+    ``from ._parameters import`` to import another module's reference copy)."""
     source = subprocess.run(["git", "show", f"{ref}:{module}"], cwd=root, check=True,
                             capture_output=True, text=True).stdout
+    for old, new in replace:
+        assert old in source, old
+        source = source.replace(old, new)
     stem = Path(module).stem + "_ref"
     path = Path(tempfile.mkdtemp()) / f"{stem}.py"
     path.write_text(source)

@@ -13,6 +13,7 @@ from torch import nn
 
 from skpathkernel import PathKernelMachine
 from skpathkernel._tangent import capture, tangent_features, tangent_gram
+from skpathkernel._tangent._capture import FREE_UNSTRUCTURED
 from skpathkernel._tangent._parameters import (
     PRODUCT_LEFT,
     PRODUCT_NO_GRAD,
@@ -138,6 +139,52 @@ class TiedAutoencoder(nn.Module):
         return self.head(torch.tanh(h @ self.W.T + u @ self.U).mean(1))
 
 
+class Keywords(nn.Module):
+    """Every product passing its arguments by keyword, as torch takes them (s55):
+    F.linear(x, weight=W), F.linear(input=, weight=, bias=), torch.matmul(input=, other=),
+    Tensor.matmul(other=), torch.mm(input=, mat2=), Tensor.mm(mat2=), and torch.addmm with
+    every argument by keyword and its default scales spelled out."""
+
+    def __init__(self, d=3):
+        super().__init__()
+        self.P = nn.ParameterList(nn.Parameter(torch.randn(d, d) / 2) for _ in range(7))
+        self.b = nn.ParameterList(nn.Parameter(torch.randn(d) / 2) for _ in range(2))
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x):
+        P, b = self.P, self.b
+        h = torch.tanh(F.linear(x, weight=P[0]))
+        h = torch.tanh(F.linear(input=h, bias=b[0], weight=P[1]))
+        h = torch.tanh(torch.matmul(input=h, other=P[2]) + h.matmul(other=P[3].T))
+        h = torch.tanh(torch.mm(input=h, mat2=P[4]) + h.mm(mat2=P[5]))
+        h = torch.tanh(torch.addmm(input=b[1], mat1=h, mat2=P[6], beta=1, alpha=1.0))
+        return self.head(h)
+
+
+class Flattened(nn.Module):
+    """Hand-written transformer/MLP-mixer code: products on the rows samples x positions,
+    ``x.reshape(-1, d)`` / ``x.view(-1, d)`` / ``x.flatten(0, 1)`` and the output viewed
+    back to ``(n, s, out)`` (s55: F.linear there fell back, "the rows of its input are not
+    the samples", and so did a bias added or a gain multiplied on those rows, "not broadcast
+    over the samples"), by position and by keyword; W3 read twice."""
+
+    def __init__(self, d=4, h=5, n_out=3):
+        super().__init__()
+        self.W1, self.b1 = nn.Parameter(torch.randn(h, d) / 2), nn.Parameter(torch.randn(h))
+        self.W2 = nn.Parameter(torch.randn(h, h) / 2)
+        self.W3, self.b3 = nn.Parameter(torch.randn(h, h) / 2), nn.Parameter(torch.randn(h))
+        self.W4 = nn.Parameter(torch.randn(n_out, h) / 2)
+        self.b2, self.g = nn.Parameter(torch.randn(h)), nn.Parameter(torch.randn(1, h))
+
+    def forward(self, x):
+        n, s, d = x.shape
+        h = torch.tanh(F.linear(x.reshape(-1, d), self.W1, self.b1).view(n, s, -1))
+        h = torch.tanh(F.linear(input=h.view(n * s, -1), weight=self.W2).view(n, s, -1))
+        h = torch.tanh((h.flatten(0, 1) @ self.W3.T + self.b3).unflatten(0, (n, s)))
+        h = torch.tanh((torch.addmm(self.b2, h.flatten(0, 1), self.W3) * self.g).view(n, s, -1))
+        return F.linear(h, self.W4).mean(1)
+
+
 NETS = {
     "bias_only": (BiasOnly, lambda: torch.randn(5, 3)),
     "tied": (TiedAutoencoder, lambda: torch.randn(5, 4, 5)),
@@ -145,6 +192,8 @@ NETS = {
     "raw_mlp": (RawMLP, lambda: torch.randn(5, 7, 4)),
     "attention": (RawAttention, lambda: torch.randn(5, 4, 5)),
     "forms": (Forms, lambda: torch.randn(5, 3)),
+    "keywords": (Keywords, lambda: torch.randn(5, 3)),
+    "flattened": (Flattened, lambda: torch.randn(5, 3, 4)),
 }
 
 
@@ -170,6 +219,8 @@ def test_raw_matrix_products_run_on_the_linear_rule(kind):
         weights.discard("G")  # read by a product and elementwise: formed and summed
     if kind == "tied":
         weights -= {"W", "U"}  # read in both orientations: formed and summed
+    if kind == "flattened":
+        weights -= {"W3", "g"}  # W3 in both orientations; g an elementwise gain
     assert weights <= factored, weights - factored
 
 
@@ -254,6 +305,16 @@ class Read(nn.Module):
             h = (x.unsqueeze(-1) * self.P.T).sum(-1)
         elif self.read == "broadcast_constant_bias":  # the transposed rule's expand declines
             h = torch.addmm(self.c, x.reshape(-1, 4), self.P).view(x.shape)
+        elif self.read == "flat_copy":  # reshape copies: its rows' owners are not seen
+            h = F.linear(x.transpose(1, 2).reshape(-1, 4), self.P).view(x.shape)
+        elif self.read == "scaled":  # addmm's alpha=2, by keyword: no Linear site
+            h = torch.addmm(self.c[0], x.reshape(-1, 4), self.P, alpha=2).view(x.shape)
+        elif self.read == "flat_bias":  # a bias on rows from a copy (as flat_copy's)
+            h = (x.transpose(1, 2).reshape(-1, 4) + self.P[0]).view(x.shape)
+        elif self.read == "flat_rows":  # rows kept flat through tanh: their owners unseen
+            h = (torch.tanh(x.reshape(-1, 4)) @ self.P).view(x.shape)
+        elif self.read == "out":  # a keyword that is no argument of a site
+            h = torch.matmul(x, self.P, out=None)
         return self.head(torch.tanh(h).mean(1))
 
 
@@ -262,7 +323,11 @@ FALLBACK = {"left": ("P", PRODUCT_LEFT), "batched": ("P3", PRODUCT_SHAPE),
             "slice": ("P", PRODUCT_VIEW),
             "rows": ("P", "the rows of its input are not the samples"),
             "transposed_elementwise": ("P", None),
-            "broadcast_constant_bias": ("P", PRODUCT_OTHER)}
+            "broadcast_constant_bias": ("P", PRODUCT_OTHER),
+            "flat_copy": ("P", "the rows of its input are not the samples"),
+            "scaled": ("P", PRODUCT_OTHER), "out": ("P", PRODUCT_OTHER),
+            "flat_bias": ("P", FREE_UNSTRUCTURED),
+            "flat_rows": ("P", "the rows of its input are not the samples")}
 
 
 @pytest.mark.parametrize("read", sorted(FALLBACK))
@@ -340,3 +405,97 @@ def test_a_broadcast_bias_falls_back_exactly(shape):
     assert (route.route, route.reason) == ("fallback", PRODUCT_SHAPE)
     J = jacobian_loop(module, X)
     _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+
+
+class _Projections(nn.Module):
+    """Attention's q, k, v of one input x, by raw products (x @ Wq, F.linear(x, Wk),
+    torch.matmul(x, Wv)), by the same on its rows flattened, or by nn.Linear layers of the
+    same shapes."""
+
+    def __init__(self, read, d=4):
+        super().__init__()
+        self.read = read
+        lin = [nn.Linear(d, d, bias=False) for _ in range(3)]
+        if read != "layers":
+            self.Wq, self.Wk, self.Wv = (nn.Parameter(m.weight.detach().clone()) for m in lin)
+        else:
+            self.q, self.k, self.v = lin
+
+    def forward(self, x):
+        if self.read == "raw":
+            q, k, v = x @ self.Wq.T, F.linear(x, self.Wk), torch.matmul(x, self.Wv.T)
+        elif self.read == "flat":
+            rows = x.reshape(-1, x.shape[-1])
+            q, k, v = (F.linear(rows, self.Wq).view(x.shape), (rows @ self.Wk.T).view(x.shape),
+                       torch.matmul(rows, self.Wv.T).view(x.shape))
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        att = torch.softmax(q @ k.mT, dim=-1)
+        return (att @ v).mean(1)
+
+
+@pytest.mark.parametrize("copy_sites", [False, True])
+def test_raw_products_hold_what_linear_layers_hold(copy_sites):
+    # The engine hands sites on uncopied (capture's copy_sites=False); the raw products
+    # copied their outputs all the same (s54: F.linear's site, and x @ P through the
+    # transposed rule's expand), q, k and v held twice by the graph (the sites and the
+    # copies that q @ k.mT and att @ v save). Now as nn.Linear's: the same graph bytes,
+    # also for products on flattened rows (s55: F.linear's fell back, x @ P's copied),
+    # their sites viewed back.
+    torch.manual_seed(0)
+    X = torch.randn(6, 5, 4, dtype=torch.float64)
+    held = {}
+    for read in ("raw", "flat", "layers"):
+        torch.manual_seed(0)
+        module = _Projections(read).double()
+        cap = capture(module, _params(module), X, [0, 1], memory_budget=2**22,
+                      measure_graph=True, copy_sites=copy_sites)
+        assert cap.fallback == ()
+        held[read] = cap.graph_bytes
+        # x is read by the three products: their terms hold it, not copies of it.
+        inputs = {a.untyped_storage().data_ptr() for t in cap.terms for _, a in t.inputs
+                  if a is not None}
+        assert len(inputs) == 1
+    assert held["raw"] == held["flat"] == held["layers"]
+
+
+class _InPlace(nn.Module):
+    """Raw products' and elementwise reads' outputs rewritten in place downstream (relu_,
+    +=, mul_, add_): the sites the engine hands on uncopied must then be copied (the
+    capture's version check) for the backprops to be the sites'."""
+
+    def __init__(self):
+        super().__init__()
+        self.W, self.b = nn.Parameter(torch.randn(5, 4) / 2), nn.Parameter(torch.randn(5))
+        self.V = nn.Parameter(torch.randn(4, 5) / 2)
+        self.pos, self.gamma = nn.Parameter(torch.randn(3, 5)), nn.Parameter(torch.randn(5))
+        self.U, self.c = nn.Parameter(torch.randn(5, 4) / 2), nn.Parameter(torch.randn(5))
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x):
+        n, s, d = x.shape
+        h = F.linear(x, self.W, self.b).relu_()
+        u = x @ self.V
+        u += 1.0
+        h = h + self.pos  # elementwise sites, rewritten in place too
+        h.mul_(0.5)
+        g = self.gamma * h
+        # Sites run per sample on flattened rows, handed on as views of them.
+        r = F.linear(x.view(-1, d), self.U).relu_()
+        r = (r + self.c).tanh_().view(n, s, -1)
+        return self.head(torch.tanh(g.add_(u) + r).mean(1))
+
+
+def test_a_raw_product_rewritten_in_place_is_exact():
+    torch.manual_seed(0)
+    module = _InPlace().double()
+    X = torch.randn(5, 3, 4, dtype=torch.float64)
+    assert [r.route for r in layer_routes(module, X)] == ["rule", "rule"]
+    params = _params(module)
+    cap = capture(module, params, X, [0], memory_budget=2**22, copy_sites=False)
+    assert cap.copied and cap.fallback == ()
+    J = jacobian_loop(module, X)
+    full = torch.einsum("ncp,mdp->ncmd", J, J)
+    _close(tangent_gram(module, params, X, output="full"), full)
+    _close(tangent_gram(module, params, X), torch.einsum("ncmc->nm", full) / 2)
+    _close(tangent_features(module, params, X, output="full", check_hidden=False), J)

@@ -236,31 +236,52 @@ def test_bad_registrations():
 
 class _MyLinear(nn.Linear):
     """A subclass overriding forward: not covered by nn.Linear's rule until registered
-    (one keeping nn.Linear's forward takes its rule: tests/test_rules_inherited.py). Its
-    weight passed by keyword, which nn.Linear's rule takes and a free parameter's matrix
-    product does not (``F.linear(x, self.weight, self.bias)`` would be one:
-    ._parameters.product_site)."""
+    (one keeping nn.Linear's forward takes its rule: tests/test_rules_inherited.py). It
+    reads its weight by ``torch.einsum``, which no free parameter's site takes (s55:
+    ``F.linear(x, weight=self.weight, bias=self.bias)``, as this test read it before, is a
+    matrix-product site of the Linear rule, ._parameters.product_site, like the call by
+    position)."""
 
     def forward(self, x):
-        return nn.functional.linear(x, weight=self.weight, bias=self.bias)
+        return torch.einsum("ni,oi->no", x, self.weight) + self.bias
 
 
-def test_a_subclass_falls_back_until_registered(registered):
+def test_a_subclass_falls_back_with_the_registration_to_make():
     module = nn.Sequential(_MyLinear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
     X = torch.randn(4, 3, dtype=torch.float64)
     route = layer_routes(module, X)[0]
     assert route.route == "fallback"
     assert f"register_rule({__name__}._MyLinear, get_rule(nn.Linear))" in route.reason
-    registered(_MyLinear, get_rule(nn.Linear))
-    assert layer_routes(module, X)[0].route == "rule"
+
+
+class _KeywordLinear(nn.Linear):
+    """A subclass overriding forward with nn.Linear's call, the arguments by keyword."""
+
+    def forward(self, x):
+        return nn.functional.linear(x, weight=self.weight, bias=self.bias)
+
+
+def test_a_subclass_runs_on_the_rule_registered_or_not(registered):
+    # Unregistered, its raw parameters are a product site of the Linear rule (s55: the
+    # keyword call fell back); registered, the layer's own rule: the same numbers.
+    module = nn.Sequential(_KeywordLinear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    X = torch.randn(5, 3, dtype=torch.float64)
+    J = jacobian_loop(module, X)
+    params = dict(module.named_parameters())
+    for register in (False, True):
+        if register:
+            registered(_KeywordLinear, get_rule(nn.Linear))
+        assert [r.route for r in layer_routes(module, X)] == ["rule", "rule"]
+        K = tangent_gram(module, params, X, output="full")
+        assert torch.allclose(K, torch.einsum("ncp,mdp->ncmd", J, J), rtol=1e-10, atol=1e-12)
 
 
 class Linear(nn.Linear):
     """A library's subclass named as torch's layer, overriding forward (as timm's
     LayerNorm does; nn.LayerNorm's rule now reaches such subclasses, nn.Linear's not)."""
 
-    def forward(self, x):  # the weight by keyword, as _MyLinear's
-        return nn.functional.linear(x, weight=self.weight, bias=self.bias)
+    def forward(self, x):  # the weight by einsum, as _MyLinear's
+        return torch.einsum("ni,oi->no", x, self.weight) + self.bias
 
 
 def test_a_subclass_named_as_its_base_is_told_apart_from_it():

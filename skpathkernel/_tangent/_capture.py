@@ -78,8 +78,10 @@ from ._parameters import (
     PRODUCT_OTHER,
     TRANSPOSED,
     broadcast_over_samples,
+    flattened_operand,
     parameter_site,
     parameter_view,
+    positional,
     product_site,
     scattered,
     transposed_view,
@@ -552,6 +554,14 @@ class _UseWatch(TorchFunctionMode):
                          else parameter_view(func, args, kwargs, read))
         if site is not None and self.views.get(id(read)) == TRANSPOSED:
             site = None  # P.T is read as a site by a matrix product only
+        flat = None
+        if site is not None:
+            a = flattened_operand(site, read.shape)
+            if a is not None:
+                # x.view(-1, d) @ W + b: run on the rows per sample, so the site's rows
+                # are the samples; handed on as the rows the call would have given.
+                args = tuple(a if t is site[1] else t for t in args)
+                flat, site = site[1].shape, (site[0], a)
         out = func(*args, **kwargs)
         if not isinstance(out, torch.Tensor) or not out.requires_grad:
             site = index = None
@@ -562,8 +572,8 @@ class _UseWatch(TorchFunctionMode):
         if site is not None:
             self.free_sites.setdefault(name, []).append(
                 (*site, read.shape, self.views.get(id(read)), out))
-            # A copy, so that an in-place op downstream cannot rewrite the site's z.
-            return out.clone()
+            out = self._hand_on(out)
+            return out if flat is None else out.view(*flat[:-1], out.shape[-1])
         if func in _LIKE and not (args and id(args[0]) in self.free):
             return out
         if any(not torch.is_grad_enabled() or o.requires_grad for o in _tensors(out)):
@@ -573,28 +583,39 @@ class _UseWatch(TorchFunctionMode):
     def _product_call(self, func, args, kwargs, free):
         """A matrix product reading free parameters: a site of the Linear rule
         (:func:`._parameters.product_site`) where it reads them as a linear map's weight
-        (and bias) with grad enabled, handed on as a copy as every site's output; else a
-        miss, with its reason."""
+        (and bias) with grad enabled, its output handed on as a rule layer's (:meth:`_hand_on`,
+        viewed as the call's output where the site is its rows per sample; or the expand's
+        own copy); else a miss, with its reason."""
+        args, kwargs = positional(func, args, kwargs)
         found = (product_site(func, args, kwargs, {id(t): name for name, t in free},
                               self.views) if torch.is_grad_enabled() else PRODUCT_NO_GRAD)
         if not isinstance(found, str):
             rule, names, expand = found
-            # A matrix product runs as the transposed rule's expand, which hands on its
-            # own copy of z; F.linear as one site (x, result), copied here.
-            run = (expand(None, func, args, kwargs) if expand is not None
-                   else (func(*args, **kwargs), [(args[0], None)]))
+            run = expand(None, func, args, kwargs)
             if run is None:
                 found = PRODUCT_OTHER  # arguments the expand declines
             else:
                 out, ((a, z),) = run
-                z = out if z is None else z
                 self.free_products.append((rule, names, Use(func, args, kwargs, (a,)), (z,)))
-                return out.clone() if out is z else out
+                if out is z or out._base is z:  # z, or z viewed as flattened rows
+                    return self._hand_on(z).view(out.shape)
+                return out  # the expand's own copy
         out = func(*args, **kwargs)
         if any(not torch.is_grad_enabled() or o.requires_grad for o in _tensors(out)):
             for name, _ in free:
                 self.free_misses.add(name)
                 self.free_why.setdefault(name, found)
+        return out
+
+    def _hand_on(self, out: torch.Tensor) -> torch.Tensor:
+        """A site's output ``out`` as the rest of the forward pass gets it: a copy (see
+        :func:`capture`'s ``copy_sites``; always for a view, whose hook would see the
+        rewrites of its base), or ``out`` itself with its version kept in ``handed`` (which
+        its views share: an in-place op on a view of it, the rows of a site run per
+        sample, moves it too)."""
+        if self.copy or out._is_view():
+            return out.clone()
+        self.handed.append((out, out._version))
         return out
 
     def _own_call(self, top: _Frame, func, args, kwargs):
@@ -607,11 +628,7 @@ class _UseWatch(TorchFunctionMode):
             out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 top.use = (Use(func, args, kwargs, (args[0],)), (out,))
-                handed = out
-                if self.copy or out._is_view():
-                    handed = out.clone()
-                else:
-                    self.handed.append((out, out._version))
+                handed = self._hand_on(out)
                 if self.fold and rule in _CONVOLUTIONS:
                     self._pend(handed, top)
                 return handed

@@ -34,9 +34,12 @@ parameter's gradient is its ``delta``), contracted as dense rows of ``P.numel()`
 A free 2-D parameter read as the weight of a linear map, ``F.linear(x, P)``, ``x @ P.T``
 (``P.t()``, ``P.mT``, ``P.transpose(0, 1)``: ``P`` is ``(out, in)``), ``x @ P``,
 ``torch.matmul(x, P)``, ``torch.mm``, ``torch.addmm(b, x, P)`` (``P`` is ``(in, out)``),
-with the samples leading in ``x`` (``(n, ..., in)``, ``P`` broadcast over the samples and
-any sequence axes; or its rows flattened, ``x.view(-1, in)``, as Hugging Face's
-``Conv1D`` reads them), runs as a site of the Linear rule itself (:func:`product_site`):
+its arguments by position or by keyword (``F.linear(input=x, weight=P, bias=b)``,
+``torch.matmul(x, other=P)``: :func:`positional`), with the samples leading in ``x``
+(``(n, ..., in)``, ``P`` broadcast over the samples and any sequence axes; or its rows
+flattened, ``x.view(-1, in)``, ``x.reshape(-1, in)``, ``x.flatten(0, 1)`` of a tensor whose
+first axis is the samples, as Hugging Face's ``Conv1D`` and hand-written transformer code
+read them), runs as a site of the Linear rule itself (:func:`product_site`):
 its per-sample gradient is ``sum_s delta_s (outer) x_s``, ``nn.Linear``'s (transposed for
 ``(in, out)``), and the capture hands the call to that rule's ``factors`` (and, for a
 matrix product, the transposed rule's ``expand``), so the term keeps its two factors
@@ -47,10 +50,24 @@ raw ``Wq``, ``Wk``, ``Wv``, and a ``Linear`` subclass overriding ``forward`` wit
 ``F.linear(x, self.weight, self.bias)``. A parameter read by a product and elementwise,
 or by two products, gets the sum of its terms (:func:`._capture._summed_uses`).
 
+A bias or gain added to or multiplied with such a product's output on flattened rows
+(``x.view(-1, d) @ W + b``) is read on them per sample too (:func:`flattened_operand`).
+Flattened rows are recognised through views alone (the memory of a tensor whose first axis
+is the samples, :func:`._layers._samples_first`): rows kept flat through an elementwise op
+(``torch.tanh(x.view(-1, d)) @ W``), or flattened by a copy (``x.mT.reshape(-1, d)``),
+have no such base, and the product falls back (``NOT_SAMPLES``). Their number alone,
+``n * s``, does not say which sample a row is of (``x.transpose(0, 1).reshape(-1, d)``
+has as many), and the autograd check of the first samples cannot tell the orders apart
+on one sample.
+
 A free parameter read in any other way (a view of a view included; ``P @ x``, a batched
-``P``, ``torch.einsum``, a slice of ``P`` read by a product, the weight passed by keyword),
-under disabled grad, or not broadcast over the samples goes to the generic fallback, as
-before; a product's read says why (``PRODUCT_*``, shown by ``layer_routes``).
+``P``, ``torch.einsum``, a slice of ``P`` read by a product), under disabled grad, or not
+broadcast over the samples goes to the generic fallback, as before; a product's read says
+why (``PRODUCT_*``, shown by ``layer_routes``).
+
+A site's output is handed on as a rule layer's (:meth:`._capture._UseWatch._hand_on`): a
+copy only where the capture copies sites, or where it is a view (``P.expand``); a site
+run on flattened rows per sample is handed on viewed back to them.
 """
 
 from __future__ import annotations
@@ -61,12 +78,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ._layers import _IN_OUT_OPS, LINEAR, transposed_linear_rule
+from ._layers import _IN_OUT_OPS, LINEAR, _samples_first, transposed_linear_rule
 from ._rules import Rule
 
 __all__ = ["PARAMETER_OPS", "PARAMETER_VIEWS", "PRODUCT_OPS", "TRANSPOSED", "ParameterOp",
-           "product_site", "register_parameter_op", "register_parameter_view", "scattered",
-           "sum_to_shape", "transposed_view"]
+           "flattened_operand", "positional", "product_site", "register_parameter_op",
+           "register_parameter_view", "scattered", "sum_to_shape", "transposed_view"]
 
 
 @dataclass(frozen=True)
@@ -237,6 +254,19 @@ def parameter_site(func, args, kwargs, param: torch.Tensor):
     return op, (b if a is param else a)
 
 
+def flattened_operand(site, shape: torch.Size) -> torch.Tensor | None:
+    """For the site ``(op, operand)`` of a binary operation on a parameter of ``shape``
+    whose operand is a matrix product's output on rows flattened from sample-major memory
+    (``x.view(-1, d) @ W + b``: :func:`._layers._samples_first`), that operand per sample,
+    ``(n, -1, d)``, where the parameter broadcasts over the rows alone (``(d,)``,
+    ``(1, d)``); else None. The operation on it is the same, its rows the samples."""
+    op, operand = site
+    if operand is None or len(shape) > 2 or (len(shape) == 2 and shape[0] != 1):
+        return None
+    a = _samples_first(operand)
+    return None if a is operand else a
+
+
 def broadcast_over_samples(shape: torch.Size, z: torch.Tensor, n: int) -> bool:
     """Whether a parameter of ``shape`` reaches ``z``'s rows (the samples) by broadcast."""
     if z.ndim == 0 or z.shape[0] != n or len(shape) > z.ndim:
@@ -285,20 +315,83 @@ def transposed_view(func, args, kwargs, param: torch.Tensor) -> bool:
     return False
 
 
+# The names torch gives each matrix product's arguments, in their positional order: a
+# call passing some by keyword (``F.linear(x, weight=W, bias=b)``,
+# ``torch.matmul(input=x, other=W)``) is read as the same call passing them by position.
+_ARGUMENT_NAMES = {F.linear: ("input", "weight", "bias"), torch.matmul: ("input", "other"),
+                   torch.mm: ("input", "mat2"), torch.addmm: ("input", "mat1", "mat2"),
+                   torch.Tensor.matmul: ("self", "other"), torch.Tensor.mm: ("self", "mat2"),
+                   torch.Tensor.__matmul__: ("self", "other")}
+
+
+def positional(func, args, kwargs) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of the matrix product ``func`` with the arguments passed by
+    keyword moved to their positions (the call unchanged), and ``torch.addmm``'s
+    ``beta=1``, ``alpha=1`` dropped (its default, no scaling); what is left in ``kwargs``
+    (``out=``, another scale) is no argument of a site."""
+    names = _ARGUMENT_NAMES.get(func)
+    if not kwargs or names is None:
+        return args, kwargs
+    kwargs = dict(kwargs)
+    args = list(args)
+    for name in names[len(args):]:
+        if name not in kwargs:
+            break
+        args.append(kwargs.pop(name))
+    if func is torch.addmm:
+        for scale in ("beta", "alpha"):
+            if type(kwargs.get(scale)) in (int, float) and kwargs[scale] == 1:
+                del kwargs[scale]
+    return tuple(args), kwargs
+
+
 def _bias_of(func, args, kwargs):
     """The arguments of a linear call, ``(x, w, b)`` (all it passes: a free parameter
-    in it is one of these), None where the call passes others."""
+    in it is one of these), None where the call passes others (``args`` and ``kwargs``
+    as :func:`positional` gives them)."""
+    if kwargs:
+        return None
     if func is F.linear:
-        if set(kwargs) - {"bias"} or not 2 <= len(args) <= 3:
+        if not 2 <= len(args) <= 3:
             return None
-        return args[0], args[1], args[2] if len(args) == 3 else kwargs.get("bias")
+        return args[0], args[1], args[2] if len(args) == 3 else None
     if func is torch.addmm:
-        if kwargs or len(args) != 3:
+        if len(args) != 3:
             return None
         return args[1], args[2], args[0]
-    if kwargs or len(args) != 2:
+    if len(args) != 2:
         return None
     return args[0], args[1], None
+
+
+def _linear_expand(layer, func, args, kwargs):
+    """``F.linear(x, P[, b])`` (arguments by position) as a site: on an input whose rows
+    are flattened, ``x.view(-1, in)`` of sample-major memory, the call runs on them per
+    sample (``(n, -1, in)``, :func:`._layers._samples_first`, as the transposed rule's
+    expand reads them), and its output is the call's own, ``(rows, out)``, as a view of
+    the site ``z`` (the capture hands on ``z`` or its copy, then views it so); otherwise one
+    site ``(x, z)``."""
+    x = args[0]
+    a = _samples_first(x)
+    z = func(a, *args[1:])
+    return (z if a is x else z.view(*x.shape[:-1], z.shape[-1])), [(a, z)]
+
+
+def _matmul_expand(layer, func, args, kwargs):
+    """``x @ P``, ``torch.addmm(b, x, P)`` (arguments by position) as a site: on an input
+    whose rows are flattened, ``x @ P`` runs on them per sample as :func:`_linear_expand`
+    does (``torch.matmul`` folds them back into the one product), and ``torch.addmm`` as
+    the transposed rule's expand (which copies its output: ``addmm`` takes no samples
+    axis); otherwise one site ``(x, z)``."""
+    x = args[1] if func is torch.addmm else args[0]
+    a = _samples_first(x)
+    if a is x:
+        z = func(*args)
+        return z, [(x, z)]
+    if func is torch.addmm:
+        return IN_OUT.expand(layer, func, args, kwargs)
+    z = torch.matmul(a, args[1])
+    return z.view(*x.shape[:-1], z.shape[-1]), [(a, z)]
 
 
 def product_site(func, args, kwargs, free: dict[int, str], views: dict[int, tuple | str]
@@ -310,10 +403,10 @@ def product_site(func, args, kwargs, free: dict[int, str], views: dict[int, tupl
     Returns ``(rule, names, expand)``: the rule whose factors give the gradient (the
     Linear's for a weight ``(out, in)``: ``F.linear(x, P)``, ``x @ P.T``; the transposed
     one for ``(in, out)``: ``x @ P``, ``F.linear(x, P.T)``), the parameters it covers
-    (``{"weight": ..., "bias": ...}``), and the ``expand`` the call runs as (a matrix
-    product's: the transposed rule's, which reads an input's rows flattened as
-    ``x.view(-1, d)`` sample by sample), or None where it is one site ``(x, result)``
-    (``F.linear``); else why not.
+    (``{"weight": ..., "bias": ...}``), and the ``expand`` the call runs as
+    (:func:`_linear_expand`, :func:`_matmul_expand`: both read an input's rows flattened
+    as ``x.view(-1, d)`` sample by sample); else why not. The
+    arguments are those :func:`positional` gives (passed by keyword or not).
     """
     parts = _bias_of(func, args, kwargs)
     if parts is None:
@@ -341,4 +434,5 @@ def product_site(func, args, kwargs, free: dict[int, str], views: dict[int, tupl
         if tuple(b.shape) != (w.shape[0 if func is F.linear else 1],):
             return PRODUCT_SHAPE
         names["bias"] = free[id(b)]
-    return IN_OUT if transposed else LINEAR, names, None if func is F.linear else IN_OUT.expand
+    return (IN_OUT if transposed else LINEAR, names,
+            _linear_expand if func is F.linear else _matmul_expand)

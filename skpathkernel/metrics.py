@@ -817,14 +817,18 @@ def _is_training_set(X, X_fit, exact: bool) -> bool:
 
     Not ``exact``: ``X`` came through a pipeline's ``transform``, where its fit trained the
     network on ``fit_transform``'s output, which a transformer may compute another way
-    (PCA: ``U S`` against ``(X - mean) V^T``, 1e-13 apart), so equal to round-off: within
-    ``sqrt(eps)`` of the largest value, far below what other rows or another order
-    change."""
+    (PCA: ``U S`` against ``(X - mean) V^T``, 1e-13 apart), so equal to round-off: each
+    feature within ``sqrt(eps)`` of its largest value (of ``sqrt(eps)`` times the largest
+    of all, for a feature near zero), far below what other rows or another order change.
+    Per feature: a tolerance of the largest feature's scale would pass any change of a
+    feature a million times smaller."""
     X = np.asarray(X, dtype=X_fit.dtype)
     if exact or not np.issubdtype(X_fit.dtype, np.floating):
         return np.array_equal(X, X_fit)
-    scale = float(np.abs(X_fit).max(initial=0.0))
-    return np.allclose(X, X_fit, rtol=0.0, atol=np.sqrt(np.finfo(X_fit.dtype).eps) * scale)
+    root = np.sqrt(np.finfo(X_fit.dtype).eps)
+    scale = np.abs(X_fit).max(axis=0)
+    scale = np.maximum(scale, root * scale.max(initial=0.0))
+    return bool(np.all(np.abs(X - X_fit) <= root * scale))
 
 
 # --------------------------------------------------------------------------- ensembles

@@ -17,7 +17,7 @@ from sklearn.linear_model import LogisticRegression, Ridge
 from sklearn.model_selection import GridSearchCV
 from sklearn.neighbors import KNeighborsRegressor
 from sklearn.pipeline import make_pipeline
-from sklearn.preprocessing import StandardScaler
+from sklearn.preprocessing import FunctionTransformer, StandardScaler
 
 from skpathkernel import (
     AttributionScores,
@@ -901,6 +901,10 @@ def test_replay_of_a_pipeline_or_search_replays_its_network_on_the_transformed_i
         retrain_on_subsets(clone(pipe), X, y, X[:2], y[:2], n_subsets=2, protocol="replay")
 
 
+def _scaled_by(A, scales):
+    return A * scales
+
+
 def test_replay_of_a_pipeline_whose_fit_transform_rounds_apart_from_its_transform():
     """Pipeline.fit trains the network on fit_transform's output, which PCA computes
     another way than transform (U S against X V^T), 1e-13 apart: the replay refused the
@@ -925,3 +929,12 @@ def test_replay_of_a_pipeline_whose_fit_transform_rounds_apart_from_its_transfor
     for other in (X[::-1], X * (1 + 1e-6)):
         with pytest.raises(ValueError, match="training set"):
             retrain_on_subsets(pipe, other, y, X[:2], y[:2], n_subsets=2, protocol="replay")
+    # The round-off allowed is each feature's: a change of the smallest feature alone
+    # (1e6 times smaller than the largest here, after the steps) is another X.
+    scales = np.array([1e6, 1.0, 1e-3])
+    wide = make_pipeline(FunctionTransformer(_scaled_by, kw_args={"scales": scales}),
+                         clone(pipe[-1])).fit(X, y)
+    retrain_on_subsets(wide, X, y, X[:2], y[:2], n_subsets=2, protocol="replay")
+    with pytest.raises(ValueError, match="training set"):
+        retrain_on_subsets(wide, X * [1.0, 1.0, 1.1], y, X[:2], y[:2], n_subsets=2,
+                           protocol="replay")

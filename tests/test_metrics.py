@@ -933,7 +933,8 @@ def test_replay_of_a_pipeline_whose_fit_transform_rounds_apart_from_its_transfor
     # (1e6 times smaller than the largest here, after the steps) is another X.
     scales = np.array([1e6, 1.0, 1e-3])
     wide = make_pipeline(FunctionTransformer(_scaled_by, kw_args={"scales": scales}),
-                         clone(pipe[-1])).fit(X, y)
+                         # A step small enough for inputs of a million.
+                         clone(pipe[-1]).set_params(learning_rate_init=1e-14)).fit(X, y)
     retrain_on_subsets(wide, X, y, X[:2], y[:2], n_subsets=2, protocol="replay")
     with pytest.raises(ValueError, match="training set"):
         retrain_on_subsets(wide, X * [1.0, 1.0, 1.1], y, X[:2], y[:2], n_subsets=2,

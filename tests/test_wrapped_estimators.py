@@ -308,6 +308,11 @@ def test_unfitted_pipelines_and_searches_and_refit_false_are_refused(data):
     no_refit = clone(search).set_params(refit=False).fit(X, y)
     with pytest.raises(TypeError, match="refit=False keeps no fitted estimator"):
         TangentKernel(no_refit)(X)
+    # Also where a pipeline holds it (the message said only "exposes no fitted network").
+    inside = make_pipeline(StandardScaler(), GridSearchCV(
+        PathKernelClassifier(**NET), {"alpha": [0.0]}, cv=2, refit=False)).fit(X, y)
+    with pytest.raises(TypeError, match="refit=False keeps no fitted estimator"):
+        TangentKernel(inside)(X)
     # A pipeline ending in passthrough holds no network.
     ends = make_pipeline(StandardScaler(), "passthrough").fit(X, y)
     with pytest.raises(TypeError, match="exposes no fitted network"):

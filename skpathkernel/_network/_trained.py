@@ -1371,12 +1371,12 @@ def _wrapped_network_hint(obj) -> str:
         units = (", whose network was trained on the transformed targets"
                  if "regressor_" in path else "")
         return f" {where}, {path}{units}{on}."
-    if hasattr(obj, "cv_results_") and not _is_refit_search(obj):
+    # A bag, one estimator per output or a search without refit, also where a pipeline
+    # or a search holds it (the way to a bag's estimators named as the way to a network).
+    holder = _followed(obj)[-1]
+    if hasattr(holder, "cv_results_") and not _is_refit_search(holder):
         return (" A search fitted with refit=False keeps no fitted estimator: fit it with "
                 "refit=True, and its best_estimator_ is the one read.")
-    # A bag or one estimator per output, also where a pipeline or a search holds it (the
-    # way to it named as the way to a network is).
-    holder = _followed(obj)[-1]
     inner = getattr(holder, "estimators_", None)
     if not isinstance(inner, list):
         return ""

@@ -759,6 +759,7 @@ def _check_replayable(estimator, X, y) -> None:
     The replay trains on the targets recorded with the path: a ``y`` that differs (other
     labels, another task) would be replaced by them without a word.
     """
+    X_given = X
     resolved, X = pipeline_last_step(estimator, X)
     if resolved is estimator and (isinstance(estimator, Pipeline)
                                   or hasattr(estimator, "cv_results_")):
@@ -788,8 +789,7 @@ def _check_replayable(estimator, X, y) -> None:
         raise ValueError("protocol='replay' replays the recorded path of a fitted "
                          "skpathkernel estimator; fit it on X, y first.")
     X_fit = estimator.X_fit_
-    if np.shape(X) != X_fit.shape or not np.array_equal(np.asarray(X, dtype=X_fit.dtype),
-                                                         X_fit):
+    if np.shape(X) != X_fit.shape or not _is_training_set(X, X_fit, exact=X is X_given):
         raise ValueError("protocol='replay' needs X to be the estimator's training set, "
                          "X_fit_ (its recorded batches index it): without the samples "
                          "that early_stopping held out, and those of every partial_fit "
@@ -810,6 +810,25 @@ def _check_replayable(estimator, X, y) -> None:
                          "targets, recorded with its path, so y must be those of X_fit_; "
                          "other targets are retrained with protocol='independent' or "
                          "'same_seed'.")
+
+
+def _is_training_set(X, X_fit, exact: bool) -> bool:
+    """Whether ``X`` (of ``X_fit``'s shape) holds the rows ``X_fit``, in order.
+
+    Not ``exact``: ``X`` came through a pipeline's ``transform``, where its fit trained the
+    network on ``fit_transform``'s output, which a transformer may compute another way
+    (PCA: ``U S`` against ``(X - mean) V^T``, 1e-13 apart), so equal to round-off: each
+    feature within ``sqrt(eps)`` of its largest value (of ``sqrt(eps)`` times the largest
+    of all, for a feature near zero), far below what other rows or another order change.
+    Per feature: a tolerance of the largest feature's scale would pass any change of a
+    feature a million times smaller."""
+    X = np.asarray(X, dtype=X_fit.dtype)
+    if exact or not np.issubdtype(X_fit.dtype, np.floating):
+        return np.array_equal(X, X_fit)
+    root = np.sqrt(np.finfo(X_fit.dtype).eps)
+    scale = np.abs(X_fit).max(axis=0)
+    scale = np.maximum(scale, root * scale.max(initial=0.0))
+    return bool(np.all(np.abs(X - X_fit) <= root * scale))
 
 
 # --------------------------------------------------------------------------- ensembles

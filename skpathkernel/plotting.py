@@ -903,6 +903,10 @@ class KernelEvolutionDisplay:
                 raise ValueError(f"x is one input, without the sample axis; got {len(row)} "
                                  "rows.")
             estimator, row, Y = pipeline_last_step(estimator, row, Y)
+            # Checked as the frame it still is: the row, a Series, has no names to check,
+            # and where no step read them (a search, a FrozenEstimator, "passthrough")
+            # reordered columns would be read by position.
+            check_column_names(estimator, row)
             x = row[0] if isinstance(row, np.ndarray) else row.iloc[0]
         net = network_of(estimator)
         for values in (x, Y):

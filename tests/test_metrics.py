@@ -11,12 +11,13 @@ from numpy.testing import assert_allclose, assert_array_equal
 from scipy.special import logsumexp
 from scipy.stats import bootstrap, spearmanr
 from sklearn.base import BaseEstimator, clone
+from sklearn.decomposition import PCA
 from sklearn.exceptions import NotFittedError
 from sklearn.linear_model import LogisticRegression, Ridge
 from sklearn.model_selection import GridSearchCV
 from sklearn.neighbors import KNeighborsRegressor
 from sklearn.pipeline import make_pipeline
-from sklearn.preprocessing import StandardScaler
+from sklearn.preprocessing import FunctionTransformer, StandardScaler
 
 from skpathkernel import (
     AttributionScores,
@@ -898,3 +899,43 @@ def test_replay_of_a_pipeline_or_search_replays_its_network_on_the_transformed_i
         retrain_on_subsets(Ridge().fit(X, y), X, y, X[:2], n_subsets=2, protocol="replay")
     with pytest.raises(NotFittedError):
         retrain_on_subsets(clone(pipe), X, y, X[:2], y[:2], n_subsets=2, protocol="replay")
+
+
+def _scaled_by(A, scales):
+    return A * scales
+
+
+def test_replay_of_a_pipeline_whose_fit_transform_rounds_apart_from_its_transform():
+    """Pipeline.fit trains the network on fit_transform's output, which PCA computes
+    another way than transform (U S against X V^T), 1e-13 apart: the replay refused the
+    training set itself as "not X_fit_". It replays, against the hand-written loop on
+    the hand-projected queries; other inputs are still refused."""
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(24, 3)) * [1.0, 10.0, 100.0]
+    y = np.digitize(X[:, 0], [-0.5, 0.5])
+    pipe = make_pipeline(PCA(2, svd_solver="full"), PathKernelClassifier(
+        hidden_layer_sizes=(4,), solver="sgd", learning_rate_init=0.1, batch_size=8,
+        max_iter=2, dtype="float64", random_state=0, tol=None)).fit(X, y)
+    pca = pipe[0]
+    Z = (X[:2] - X.mean(axis=0)) @ pca.components_.T
+    # The premise: the network's training inputs are not transform(X) bit for bit.
+    assert not np.array_equal(pipe[-1].X_fit_, pipe[:-1].transform(X))
+    res = retrain_on_subsets(pipe, X, y, X[:2], y[:2], n_subsets=2, protocol="replay",
+                             random_state=0)
+    for mask, out in zip(res.subsets, res.outputs):
+        logits = _replay_loop(pipe[-1], mask, Z)
+        assert_allclose(out, logits[np.arange(2), y[:2]] - logsumexp(
+            np.where(np.eye(3)[y[:2]] > 0, -np.inf, logits), axis=1), rtol=1e-10)
+    for other in (X[::-1], X * (1 + 1e-6)):
+        with pytest.raises(ValueError, match="training set"):
+            retrain_on_subsets(pipe, other, y, X[:2], y[:2], n_subsets=2, protocol="replay")
+    # The round-off allowed is each feature's: a change of the smallest feature alone
+    # (1e6 times smaller than the largest here, after the steps) is another X.
+    scales = np.array([1e6, 1.0, 1e-3])
+    wide = make_pipeline(FunctionTransformer(_scaled_by, kw_args={"scales": scales}),
+                         # A step small enough for inputs of a million.
+                         clone(pipe[-1]).set_params(learning_rate_init=1e-14)).fit(X, y)
+    retrain_on_subsets(wide, X, y, X[:2], y[:2], n_subsets=2, protocol="replay")
+    with pytest.raises(ValueError, match="training set"):
+        retrain_on_subsets(wide, X * [1.0, 1.0, 1.1], y, X[:2], y[:2], n_subsets=2,
+                           protocol="replay")

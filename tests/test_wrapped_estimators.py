@@ -29,6 +29,7 @@ from sklearn.svm import SVC
 from skpathkernel import PathKernelClassifier, PathKernelMachine
 from skpathkernel.diagnostics import hessian_trace, loss_path
 from skpathkernel.kernels import PathKernel, TangentKernel, step_kernel
+from skpathkernel.metrics import retrain_on_subsets
 from skpathkernel.plotting import KernelEvolutionDisplay, KernelMatrixDisplay
 
 LR = 0.05
@@ -254,7 +255,9 @@ def _regression():
 
 
 @pytest.mark.parametrize("wrapper", ["bag", "multi_output", "chain", "transformed_target",
-                                     "pipeline_of_transformed", "search_of_transformed"])
+                                     "pipeline_of_transformed", "search_of_transformed",
+                                     "pipeline_of_bag", "pipeline_of_multi_output",
+                                     "search_of_chain"])
 def test_wrappers_whose_network_saw_other_inputs_or_targets_keep_their_hints(wrapper):
     X, y = _regression()
     reg = PathKernelMachine(**NET)
@@ -272,8 +275,19 @@ def test_wrappers_whose_network_saw_other_inputs_or_targets_keep_their_hints(wra
                                     + re.escape("pipe[:-1].transform(X)")),
         "search_of_transformed": (GridSearchCV(ttr, {"regressor__alpha": [0.0]}, cv=2),
                                   re.escape("best_estimator_.regressor_")),
+        # Inside a pipeline or a search, the bag's and the per-target hints name the way
+        # to them (they said "Pipeline exposes no fitted network" and nothing more).
+        "pipeline_of_bag": (make_pipeline(StandardScaler(), BaggingRegressor(
+            reg, n_estimators=2, max_features=2, random_state=0)),
+            re.escape("pipe[-1].estimators_[0] holds one")),
+        "pipeline_of_multi_output": (make_pipeline(StandardScaler(), MultiOutputRegressor(reg)),
+                                     re.escape("pipe[-1].estimators_[i]") + ".*"
+                                     + re.escape("pipe[:-1].transform(X)")),
+        "search_of_chain": (GridSearchCV(RegressorChain(reg), {"order": [None]}, cv=2),
+                            re.escape("best_estimator_.estimators_[0] holds one")),
     }[wrapper]
-    multi = wrapper in ("multi_output", "chain")
+    multi = wrapper in ("multi_output", "chain", "pipeline_of_multi_output",
+                        "search_of_chain")
     obj.fit(X, np.c_[y, -y] if multi else y)
     for call in (lambda: TangentKernel(obj)(X), lambda: PathKernel(obj).diag(X),
                  lambda: step_kernel(obj, X), lambda: loss_path(obj),
@@ -294,7 +308,55 @@ def test_unfitted_pipelines_and_searches_and_refit_false_are_refused(data):
     no_refit = clone(search).set_params(refit=False).fit(X, y)
     with pytest.raises(TypeError, match="refit=False keeps no fitted estimator"):
         TangentKernel(no_refit)(X)
+    # Also where a pipeline holds it (the message said only "exposes no fitted network").
+    inside = make_pipeline(StandardScaler(), GridSearchCV(
+        PathKernelClassifier(**NET), {"alpha": [0.0]}, cv=2, refit=False)).fit(X, y)
+    with pytest.raises(TypeError, match="refit=False keeps no fitted estimator"):
+        TangentKernel(inside)(X)
     # A pipeline ending in passthrough holds no network.
     ends = make_pipeline(StandardScaler(), "passthrough").fit(X, y)
     with pytest.raises(TypeError, match="exposes no fitted network"):
         TangentKernel(ends)(X)
+
+
+def test_a_search_fitted_again_without_refit_is_not_read_through_its_old_best(data):
+    """scikit-learn leaves the best_estimator_ of an earlier refit=True fit on a search
+    fitted again with refit=False, and its predict refuses it (refit=False): the kernels,
+    the diagnostics and the replay read it as the search's, silently, a network the
+    search's last fit never chose (other data here, three times the scale)."""
+    X, y = data
+    search = GridSearchCV(make_pipeline(StandardScaler(), PathKernelClassifier(**NET)),
+                          {"pathkernelclassifier__alpha": [0.0]}, cv=2).fit(X, y)
+    search.set_params(refit=False).fit(X[:12] * 3, y[:12])
+    assert hasattr(search, "best_estimator_")  # the stale one, as scikit-learn leaves it
+    with pytest.raises(AttributeError):
+        search.predict(X[:2])
+    for call in (lambda: TangentKernel(search)(X), lambda: PathKernel(search).diag(X),
+                 lambda: step_kernel(search, X), lambda: loss_path(search, X, y),
+                 lambda: KernelMatrixDisplay.from_estimator(search, X[:4]),
+                 lambda: retrain_on_subsets(search, X, y, X[:2], y[:2], n_subsets=2,
+                                            protocol="replay")):
+        with pytest.raises(TypeError, match="refit=False"):
+            call()
+
+
+def test_the_one_input_display_checks_the_names_of_an_input_the_steps_leave(data):
+    """KernelEvolutionDisplay takes its x through the wrapper as a one-row frame, then
+    the row: through a FrozenEstimator, a search or a passthrough pipeline no step checks
+    the frame's names, and the row (a Series) has none to check, so an x of reordered
+    columns was read by position (a refused one in the network's own display)."""
+    X, y = data
+    frame = pd.DataFrame(X, columns=["a", "b", "c"])
+    net = PathKernelClassifier(**NET).fit(frame, y)
+    search = GridSearchCV(PathKernelClassifier(**NET), {"alpha": [0.0]}, cv=2).fit(frame, y)
+    through = Pipeline([("keep", "passthrough"), ("net", PathKernelClassifier(**NET))])
+    through.fit(frame, y)
+    for wrapped, est in ((FrozenEstimator(net), net), (search, search.best_estimator_),
+                         (through, through[-1])):
+        shown = KernelEvolutionDisplay.from_estimator(wrapped, frame.iloc[0], frame[1:4],
+                                                      normalized=False)
+        np.testing.assert_allclose(shown.kernel_values[-1], _gram(est, X[:1], X[1:4])[0],
+                                   rtol=1e-9)
+        for x in (frame.iloc[0][["c", "b", "a"]], frame[["c", "b", "a"]][:1]):
+            with pytest.raises(ValueError, match="feature names"):
+                KernelEvolutionDisplay.from_estimator(wrapped, x, frame[1:4])

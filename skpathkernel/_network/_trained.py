@@ -1347,8 +1347,11 @@ def _is_refit_search(obj) -> bool:
 
     By the search's attributes (``cv_results_`` and ``best_estimator_``), not its class:
     the halving searches and other libraries' (scikit-optimize's) keep the same contract,
-    and scikit-learn exports no base class for it."""
-    return hasattr(obj, "cv_results_") and hasattr(obj, "best_estimator_")
+    and scikit-learn exports no base class for it. And by its ``refit``: a search fitted
+    again with ``refit=False`` keeps the ``best_estimator_`` of an earlier fit, which its
+    own ``predict`` refuses; read, it would be a network its last fit never chose."""
+    return (hasattr(obj, "cv_results_") and hasattr(obj, "best_estimator_")
+            and bool(getattr(obj, "refit", True)))
 
 
 def _wrapped_network_hint(obj) -> str:
@@ -1358,58 +1361,78 @@ def _wrapped_network_hint(obj) -> str:
     inside."""
     route = _network_route(obj)
     if route is not None:
-        path, steps = route
         if getattr(obj, "steps", None):
-            where = ("For a pipeline ending in one, pass its last step" if path == "[-1]"
+            where = ("For a pipeline ending in one, pass its last step" if route[0] == "[-1]"
                      else "For a pipeline, pass the estimator in its last step that holds one")
-            path = "pipe" + path
         else:
-            where, path = "Pass the fitted estimator it holds", path[1:]
-        inputs = "X"
-        for before in steps:
-            # The network sees the inputs its pipelines' earlier steps transform.
-            inputs = f"{'pipe' if before[0] == '[' else ''}{before.lstrip('.')}" \
-                     f".transform({inputs})"
+            where = "Pass the fitted estimator it holds"
+        path, on = _route_code(obj, route)
         # TransformedTargetRegressor's network is trained on func(y).
         units = (", whose network was trained on the transformed targets"
                  if "regressor_" in path else "")
-        on = "" if inputs == "X" else f", on inputs transformed by the steps before it " \
-                                      f"({inputs})"
         return f" {where}, {path}{units}{on}."
-    if hasattr(obj, "cv_results_") and not hasattr(obj, "best_estimator_"):
+    # A bag, one estimator per output or a search without refit, also where a pipeline
+    # or a search holds it (the way to a bag's estimators named as the way to a network).
+    holder = _followed(obj)[-1]
+    if hasattr(holder, "cv_results_") and not _is_refit_search(holder):
         return (" A search fitted with refit=False keeps no fitted estimator: fit it with "
                 "refit=True, and its best_estimator_ is the one read.")
-    inner = getattr(obj, "estimators_", None)
+    inner = getattr(holder, "estimators_", None)
     if not isinstance(inner, list):
         return ""
     found = [i for i, est in enumerate(inner) if _network_route(est) == ("", [])]
-    if not found:
+    route = _network_route(obj, holder=holder)
+    if not found or route is None:
         return ""
-    if isinstance(obj, (MultiOutputRegressor, MultiOutputClassifier)):
-        return (" It holds one fitted estimator per target in estimators_: pass one of "
-                "them, estimators_[i].")
+    path, on = _route_code(obj, route)
+    path = f"{path}." if path else ""
+    if isinstance(holder, (MultiOutputRegressor, MultiOutputClassifier)):
+        return (f" It holds one fitted estimator per target in {path}estimators_: pass one "
+                f"of them, {path}estimators_[i]{on}.")
     # A bag's estimator saw a sample of the rows and estimators_features_'s columns, a
     # chain's X with the earlier targets appended: not X as it is.
-    return (f" Its estimators_[{found[0]}] holds one, fitted on the inputs "
-            f"{type(obj).__name__} gave it, which need not be X as it is.")
+    return (f" Its {path}estimators_[{found[0]}] holds one, fitted on the inputs "
+            f"{type(holder).__name__} gave it, which need not be X as it is.")
 
 
-def _network_route(obj, depth: int = 4) -> tuple[str, list[str]] | None:
+def _route_code(obj, route) -> tuple[str, str]:
+    """A :func:`_network_route` of ``obj`` as code: the way (``pipe[-1].regressor_``,
+    ``best_estimator_[-1]``; empty for ``obj`` itself) and where it has earlier steps, the
+    clause naming the inputs they transform (``pipe[:-1].transform(X)``)."""
+    path, steps = route
+    path = "pipe" + path if getattr(obj, "steps", None) else path[1:]
+    inputs = "X"
+    for before in steps:
+        # The estimator at the end sees the inputs its pipelines' earlier steps transform.
+        inputs = f"{'pipe' if before[0] == '[' else ''}{before.lstrip('.')}" \
+                 f".transform({inputs})"
+    return path, ("" if inputs == "X" else
+                  f", on inputs transformed by the steps before it ({inputs})")
+
+
+def _network_route(obj, depth: int = 4, holder=None) -> tuple[str, list[str]] | None:
     """The way from a fitted wrapper to the estimator holding the network
-    (``".best_estimator_[-1]"``) and the pipelines whose earlier steps transform its
-    inputs, outermost first (``[".best_estimator_[:-1]"]``); None where there is none."""
-    if hasattr(obj, "network_"):
+    (``".best_estimator_[-1]"``), or to ``holder`` where given, and the pipelines whose
+    earlier steps transform its inputs, outermost first (``[".best_estimator_[:-1]"]``);
+    None where there is none."""
+    while holder is not None and isinstance(obj, FrozenEstimator) and obj is not holder:
+        # It forwards its estimator's attributes: the way through it is the same.
+        obj = obj.estimator
+    if (hasattr(obj, "network_") if holder is None else obj is holder):
         return "", []
     if depth == 0:
         return None
     steps = getattr(obj, "steps", None)
     if steps:
-        found = _network_route(steps[-1][1], depth - 1)
+        found = _network_route(steps[-1][1], depth - 1, holder)
         return None if found is None else (
             "[-1]" + found[0], ["[:-1]", *("[-1]" + step for step in found[1])])
     for name in ("best_estimator_", "regressor_", "estimator_"):
-        inner = getattr(obj, name, None)
-        found = None if inner is None or inner is obj else _network_route(inner, depth - 1)
+        # A search fitted again without refit keeps an earlier fit's best_estimator_.
+        inner = (None if name == "best_estimator_" and not getattr(obj, "refit", True)
+                 else getattr(obj, name, None))
+        found = (None if inner is None or inner is obj
+                 else _network_route(inner, depth - 1, holder))
         if found is not None:
             return f".{name}{found[0]}", [f".{name}{step}" for step in found[1]]
     return None

@@ -14,8 +14,11 @@ Networks: ``mlp`` 64-256-256-10 tanh, ``cnn`` Conv2d(1, 8, 3)-ReLU-Conv2d(8, 8, 
 Flatten-Linear(512, 10) on 1 x 8 x 8, ``unet`` the user trial's DDPM U-Net (c = 16 on
 8 x 8 images: C = 64 outputs, :class:`benchmarks.trial_generative.UNet`).
 
+``--kernel PathKernel --steps T``: the path kernel of T recorded SGD steps, base against
+tree only (no peer).
+
 Usage: ``OMP_NUM_THREADS=1 taskset -c 0 python -m benchmarks.bench_small_gram_ab
-[--ref main] [--reps 9] [--cases mlp@1 cnn@8 ...] [--out PATH]``. Results:
+[--ref main] [--reps 9] [--cases mlp@1 cnn@8 ...] [--out PATH] [--kernel K --steps T]``. Results:
 ``benchmarks/results/small_gram-s55.md``.
 """
 
@@ -80,18 +83,19 @@ def network(arch, n):
     return m, X, 64
 
 
-def estimator(pkg, m, X, C):
-    """A fitted estimator of ``pkg`` (a dict of modules) recording one SGD step of ``m``
-    (a copy) on ``X``."""
+def estimator(pkg, m, X, C, steps=1):
+    """A fitted estimator of ``pkg`` (a dict of modules) recording ``steps`` SGD steps of
+    ``m`` (a copy) on ``X``."""
     recorder = pkg[PKG].PathRecorder
     m = copy.deepcopy(m)
     opt = torch.optim.SGD(m.parameters(), lr=1e-3)
     Y = torch.randn(X.shape[0], C, generator=torch.Generator().manual_seed(1))
     with recorder(m, opt, n_samples=X.shape[0]) as rec:
-        opt.zero_grad()
-        (0.5 * (m(X) - Y).pow(2).mean()).backward()
-        rec.set_batch(np.arange(X.shape[0]))
-        opt.step()
+        for _ in range(steps):
+            opt.zero_grad()
+            (0.5 * (m(X) - Y).pow(2).mean()).backward()
+            rec.set_batch(np.arange(X.shape[0]))
+            opt.step()
     return rec.as_estimator(X.numpy(), Y.numpy())
 
 
@@ -111,21 +115,24 @@ def _rel(a, b):
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-def case(pkgs, name, reps):
+def case(pkgs, name, reps, kernel="TangentKernel", steps=1):
     arch, n = name.split("@")
     n = int(n)
     m, Xall, C = network(arch, max(n, 64))
     torch.manual_seed(0)
-    # Both sides' estimators of the same module (one SGD step on 64 rows, trained once).
-    nets = {side: estimator(pkg, m, Xall[:64], C) for side, pkg in pkgs.items()}
+    # Both sides' estimators of the same module (SGD steps on 64 rows).
+    nets = {side: estimator(pkg, m, Xall[:64], C, steps) for side, pkg in pkgs.items()}
     trained = nets["tree"].network_.module
     X = Xall[:n]
-    calls = {side: (lambda side=side: pkgs[side]["skpathkernel.kernels"].TangentKernel(
+    calls = {side: (lambda side=side: getattr(pkgs[side]["skpathkernel.kernels"], kernel)(
         nets[side])(X.numpy())) for side in pkgs}
-    calls["torch.func"] = lambda: peer(trained, X, C)
+    if kernel == "TangentKernel":
+        calls["torch.func"] = lambda: peer(trained, X, C)
     out = {side: call() for side, call in calls.items()}
-    ref64 = peer(trained.double(), X.double(), C)
-    trained.float()
+    ref64 = out.get("torch.func")
+    if ref64 is not None:
+        ref64 = peer(trained.double(), X.double(), C)
+        trained.float()
     times = {side: [] for side in calls}
     order = list(calls)
     for r in range(reps):
@@ -137,10 +144,11 @@ def case(pkgs, name, reps):
     row = dict(case=name, load=os.getloadavg()[0],
                **{f"{side}_ms": 1e3 * med[side] for side in calls},
                base_over_tree=med["base"] / med["tree"],
-               func_over_tree=med["torch.func"] / med["tree"],
-               tree_vs_base=_rel(out["tree"], out["base"]),
-               tree_vs_f64=_rel(out["tree"], ref64), base_vs_f64=_rel(out["base"], ref64),
-               func_vs_f64=_rel(out["torch.func"], ref64))
+               tree_vs_base=_rel(out["tree"], out["base"]))
+    if ref64 is not None:
+        row.update(func_over_tree=med["torch.func"] / med["tree"],
+                   tree_vs_f64=_rel(out["tree"], ref64), base_vs_f64=_rel(out["base"], ref64),
+                   func_vs_f64=_rel(out["torch.func"], ref64))
     print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                    for k, v in row.items()), flush=True)
     return row
@@ -153,6 +161,9 @@ def main(argv=None):
     parser.add_argument("--cases", nargs="*", default=[f"{a}@{n}" for a in ("mlp", "cnn", "unet")
                                                        for n in (1, 8, 32, 64)])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--kernel", default="TangentKernel",
+                        choices=["TangentKernel", "PathKernel"])
+    parser.add_argument("--steps", type=int, default=1, help="SGD steps recorded")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     pkgs = {"base": load_base(args.ref)}
@@ -165,8 +176,8 @@ def main(argv=None):
                           capture_output=True, text=True).stdout.strip()
     print(f"# base {args.ref} ({base}), tree {commit}, cores {sorted(os.sched_getaffinity(0))},"
           f" torch {torch.__version__}, reps {args.reps}, load {os.getloadavg()}", flush=True)
-    rows = [case(pkgs, name, args.reps) for name in args.cases]
-    if args.out:
+    rows = [case(pkgs, name, args.reps, args.kernel, args.steps) for name in args.cases]
+    if args.out and args.kernel == "TangentKernel":
         lines = ["| case | base (ms) | tree (ms) | torch.func (ms) | base / tree | "
                  "torch.func / tree | tree vs base | tree vs f64 | base vs f64 | "
                  "torch.func vs f64 | load |", "|---" * 11 + "|"]

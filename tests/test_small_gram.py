@@ -62,19 +62,25 @@ def _close(a, b, rtol=1e-10):
     assert float((a - b).abs().max() / b.abs().max()) <= rtol
 
 
-@pytest.mark.parametrize("n, forwards", [(1, 3), (2, 3), (8, 3), (_gram.OWN_CHECK_ROWS, 3),
-                                         (_gram.OWN_CHECK_ROWS + 1, 4)])
-def test_a_small_symmetric_gram_captures_its_rows_once(n, forwards):
-    # The module's forward passes in one call: the output count (one row), the capture
-    # of the rows x0..x_{n-1}, x0 and the autograd check's forward of them; their first
-    # n rows are the Gram's block (a capture of X of its own before session s55: 4). Over
-    # OWN_CHECK_ROWS rows the check takes check_rows' cycle and X is captured apart.
+R = _gram.OWN_CHECK_ROWS
+
+
+@pytest.mark.parametrize("check, n, forwards",
+                         [(True, 1, 3), (True, 2, 3), (True, 8, 3), (True, R, 3),
+                          (True, R + 1, 4), (False, 1, 2), (False, 8, 2), (False, R + 1, 3)])
+def test_a_small_symmetric_gram_captures_its_rows_once(check, n, forwards):
+    # The module's forward passes in one call. Checked: the output count (one row), the
+    # capture of the rows x0..x_{n-1}, x0 and the autograd check's forward of them; their
+    # first n rows are the Gram's block (a capture of X of its own before session s55:
+    # 4). Over OWN_CHECK_ROWS rows the check takes check_rows' cycle and X is captured
+    # apart. Unchecked (a path's steps after hidden_reads): the output count and one
+    # capture of X's rows, probe and block at once (3 before: the probe of x0 apart).
     torch.manual_seed(0)
     module = _Counted().double()
     params = {k: v.detach() for k, v in module.named_parameters()}
     X = torch.randn(n, 4, dtype=torch.float64)
     module.forwards = 0
-    K = tangent_gram(module, params, X)
+    K = tangent_gram(module, params, X, check_hidden=check)
     assert module.forwards == forwards
     _close(K, _reference_gram(module, params, X))
 

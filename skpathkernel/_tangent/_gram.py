@@ -380,14 +380,16 @@ output count's forward, the probe capture of the check's rows, the autograd chec
 the Gram's own capture. A symmetric Gram of at most :data:`OWN_CHECK_ROWS` rows has its
 probe capture and check run on ``x0, ..., x_{n-1}, x0`` (:func:`_own_check_rows`), and its
 block is the first ``n`` rows of that capture (:class:`_Blocks`' ``given``): one capture
-fewer, and the check sees the very batch the Gram is computed from; any call whose
-checked rows begin with ``X`` (one query against a training set) reuses them alike. A
-capture whose outputs' site gradients are small takes them by one batched backward pass
+fewer, and the check sees the very batch the Gram is computed from; unchecked (a path
+kernel's steps) its probe capture is of X's rows; any call whose checked rows begin with
+``X`` (one query against a training set) reuses them alike. A capture whose outputs'
+site gradients are small takes them by one batched backward pass
 (:func:`._capture._small_pass`) instead of one per output. K the same bits as before on
 the benchmark's MLP, CNN and U-Net (6e-8 of the largest entry on the MLP's one row); the
-public call 1.1-2.5x as fast, still behind torch.func's ``vmap(jacrev)`` on the CNN and
-the U-Net at N <= 64 and the MLP at N = 1, where the check's backward pass over the
-outputs (with every parameter's gradient) is now the largest cost.
+public call 1.0-2.6x as fast (a path kernel's of 8 steps 1.15-2.75x), still behind
+torch.func's ``vmap(jacrev)`` on the CNN and the U-Net at N <= 64 and the MLP at N = 1,
+where the check's backward pass over the outputs (with every parameter's gradient) is
+now the largest cost.
 
 ``X`` is what the module takes, ``(n_samples, ...)``: float features, images, sequences,
 or integer token ids; kernels and features have the parameters' dtype.
@@ -1201,8 +1203,9 @@ def _prepared(module, params, X, output, memory_budget, exclude=frozenset(), che
     capture and the autograd check run on ``X, x0``, and its block is the first ``n``
     rows of that capture instead of a capture of its own: one forward and one backward
     pass per output fewer on the same rows, the check on the Gram's own factors (a small
-    call is mostly these fixed costs, ``benchmarks/results/small_gram-s55.md``). Any other
-    call whose checked rows begin with ``X`` (one or a few queries) takes them as well.
+    call is mostly these fixed costs, ``benchmarks/results/small_gram-s55.md``); without
+    the check, its probe capture is of X's rows. Any other call whose checked rows begin
+    with ``X`` (one or a few queries) takes them as well.
     """
     params = dict(params)
     if X.ndim < 1 or X.shape[0] == 0:
@@ -1250,7 +1253,10 @@ def _prepared(module, params, X, output, memory_budget, exclude=frozenset(), che
                                                   memory_budget=memory_budget,
                                                   batch_bytes=batch_bytes, **kw)
     else:
-        rows, hidden = X[:1], frozenset()
+        # Unchecked (a path's steps after hidden_reads): a small symmetric Gram's probe
+        # capture is of all its rows, and is its block.
+        small = own and Y is None and X.shape[0] <= OWN_CHECK_ROWS
+        rows, hidden = (X if small else X[:1]), frozenset()
         probe = capture(module, params, rows, outputs, memory_budget=memory_budget, **kw)
     if hidden:
         rows = X[:1]

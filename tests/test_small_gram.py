@@ -147,3 +147,24 @@ def test_own_check_rows_are_a_cycle_of_all_rows():
     assert _gram._own_check_rows(X, budget) is not None
     assert _gram._own_check_rows(X, budget - 1) is None
     assert _gram._own_check_rows(torch.zeros(_gram.OWN_CHECK_ROWS + 1, 1), 2**20) is None
+
+
+def test_a_small_batched_pass_sums_batchnorm_sites(monkeypatch):
+    # An eval BatchNorm not on a convolution's output (not folded) has its site's
+    # backprops summed as they come (_ChannelSums): in a small capture's batched pass,
+    # every output's at once. The Gram is still the per-sample loop's.
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.BatchNorm2d(4), nn.Flatten(),
+                           nn.Linear(64, 3))
+    module[2].running_mean.normal_()
+    module[2].running_var.uniform_(0.5, 2)
+    module = module.eval().double()
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X = torch.randn(5, 2, 6, 6, dtype=torch.float64)
+    summed = []
+    real = _capture._batched_into
+    monkeypatch.setattr(_capture, "_batched_into",
+                        lambda out, seeds, zs, sums=None: summed.append(len(sums or {}))
+                        or real(out, seeds, zs, sums))
+    _close(tangent_gram(module, params, X), _reference_gram(module, params, X))
+    assert summed and all(s == 1 for s in summed)

@@ -846,8 +846,9 @@ def test_misfit_found_in_a_later_block_reroutes_every_block(monkeypatch):
     always = _ReadThrough("late").double()
     J = _loop_jacobian(always, params, X)[:, 0]
     starts = []
-    real = _gram._prepare
-    monkeypatch.setattr(_gram, "_prepare", lambda *a: starts.append(a[5]) or real(*a))
+    real = _gram._prepared
+    monkeypatch.setattr(_gram, "_prepared",
+                        lambda *a, **k: starts.append(a[5]) or real(*a, **k))
     K = tangent_gram(module, params, X, memory_budget=1800)  # blocks of one row
     _close(K, J @ J.T)
     # The first pass routed l1 to its rule, met the read in block 1, started over.
@@ -972,6 +973,8 @@ def test_autograd_check_batched_or_per_output(make, rule_kept, batched, monkeypa
     # fits an eighth of the budget (session s53), or one pass per output: either finds
     # every read (the hidden ones are its alone) and the Gram matches the dense Jacobians.
     monkeypatch.setattr(_gram, "BATCHED_CHECK", batched)
+    # The check's passes alone: the captures' small passes batched too (s55) are not.
+    monkeypatch.setattr(_capture, "SMALL_PASS_BYTES", 0)
     passes = []
     real = _capture._batched_grads
     monkeypatch.setattr(_capture, "_batched_grads",
@@ -1011,6 +1014,8 @@ def test_autograd_check_falls_back_per_output_where_autograd_cannot_batch(output
     # The batched check (session s53) on a backward autograd cannot batch: the pass is
     # tried, declined, and the per-output passes still find the read of l1.weight hidden
     # from torch functions on one output alone; the Gram matches the dense Jacobians.
+    # The check's passes alone: the captures' small passes batched too (s55) are not.
+    monkeypatch.setattr(_capture, "SMALL_PASS_BYTES", 0)
     passes = []
     real = _capture._batched_grads
     monkeypatch.setattr(_capture, "_batched_grads",

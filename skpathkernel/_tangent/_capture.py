@@ -997,7 +997,7 @@ def _captured(module, params, X, outputs, memory_budget, dense_fallback, weights
     the graph kept for another capture of the same forward), the factors, the fallback."""
     reasons = dict(reasons)
     terms_by_name = _rule_terms(f, accepted, outputs, weights, params, reasons, sites,
-                                scratch, formed, retain)
+                                scratch, formed, retain, memory_budget=memory_budget)
     del f
 
     # A rule layer's parameter that its rule leaves without a term (an extra parameter
@@ -1169,12 +1169,13 @@ def _accepted_free(free, watch, params, X, reasons, declined):
 
 def _rule_terms(f, accepted, outputs, weights, params, reasons, free=(),
                 scratch=None, formed=frozenset(), retain=False,
-                backprops=None) -> dict[str, Term]:
+                backprops=None, memory_budget=0) -> dict[str, Term]:
     """Each accepted layer's terms by parameter name: the backprops to its call's sites
     (one backward pass per output, or one for a contraction; ``backprops``: computed
     already, one per site in order), factored by its rule (the parameters of ``formed``
     possibly formed, see :func:`capture`); and the terms of the free parameters' sites
-    (``free``, from :func:`_accepted_free`)."""
+    (``free``, from :func:`_accepted_free`). ``memory_budget``: the capture's, which
+    bounds a batched pass over the outputs (:func:`_small_pass`)."""
     terms_by_name: dict[str, Term] = {}
     if accepted or free:
         if backprops is None:
@@ -1184,7 +1185,7 @@ def _rule_terms(f, accepted, outputs, weights, params, reasons, free=(),
             seeds = ([f[:, c].sum() for c in outputs] if weights is None
                      else [(f[:, list(outputs)] * weights.to(f.dtype)).sum()])
             reduced = _reduced_sites(accepted, len(seeds))
-            backprops = _backprops(seeds, zs, scratch, retain, reduced)
+            backprops = _backprops(seeds, zs, scratch, retain, reduced, memory_budget)
         else:  # computed by hand (a plain CNN's, :mod:`._cnn`): every site's in full
             reduced = {}
         deltas = iter(_own_memory(backprops))
@@ -1365,7 +1366,8 @@ def _summed_uses(terms: list[Term]) -> dict[str, Term]:
     return by_name
 
 
-def _backprops(seeds, zs, scratch=None, retain=False, sums=None) -> list[torch.Tensor | None]:
+def _backprops(seeds, zs, scratch=None, retain=False, sums=None,
+               memory_budget=0) -> list[torch.Tensor | None]:
     """``(n, len(seeds), *z.shape[1:])`` for every site output ``z``: column ``i`` the
     gradient of ``seeds[i]`` (zeros where it does not reach ``z``).
 
@@ -1388,7 +1390,8 @@ def _backprops(seeds, zs, scratch=None, retain=False, sums=None) -> list[torch.T
                 for j, (z, gz) in enumerate(zip(zs, g))]
     out = [None if j in sums else _buffer(scratch, j, (z.shape[0], n_out, *z.shape[1:]), z)
            for j, z in enumerate(zs)]
-    if _batches_backprops(seeds[0].device) and _batched_into(out, seeds, zs, sums):
+    if ((_batches_backprops(seeds[0].device) or _small_pass(zs, n_out, memory_budget))
+            and _batched_into(out, seeds, zs, sums)):
         return out
     return _hooked_backprops(seeds, zs, out, retain, sums)
 
@@ -1437,7 +1440,8 @@ def _hooked_backprops(seeds, zs, out, retain, sums):
 
 def _batches_backprops(device: torch.device) -> bool:
     """Whether the outputs' backprops are one batched backward pass (``is_grads_batched``)
-    instead of one pass per output: not yet, on any device.
+    instead of one pass per output: not yet, on any device, but for small passes
+    (:func:`_small_pass`).
 
     On a GPU each pass is a few dozen launches whatever its rows: the batched pass took
     the image networks' Grams at N = 128 from 1.33x (cnn8) to 2.1x (ViT) faster on an
@@ -1451,6 +1455,30 @@ def _batches_backprops(device: torch.device) -> bool:
     On one CPU core it was 5-15% slower.
     """
     return False
+
+
+#: The most bytes of the sites' gradients that :func:`_small_pass` batches.
+SMALL_PASS_BYTES = 16 * 2**20
+
+
+def _small_pass(zs, n_out: int, memory_budget: int) -> bool:
+    """Whether the outputs' backward passes over the sites ``zs`` are small enough to be
+    one batched pass on any device: their gradients, every output's at once, take at most
+    :data:`SMALL_PASS_BYTES` and a 128th of ``memory_budget`` (8 MiB of the default).
+
+    A pass over a few rows costs mostly its torch calls, whatever their sizes: one
+    batched pass instead of 64 took a capture of the trial's U-Net (C = 64, 0.94 MB of
+    gradients a row) from 73 to 43 ms of CPU time on 4 rows, 85 to 66 on 9; of the
+    8 x 8 CNN and the MLP of ``benchmarks/results/small_gram-s55.md`` (C = 10) 0.6-0.8
+    of the time up to 129 rows; the backprops the same bits (4.9e-7 of the largest on
+    the MLP's one row). Over more rows the loop streams fewer bytes at once (the
+    U-Net's 65 rows, 62 MB: 395 ms batched against 276). The batched pass holds every
+    output's gradients and the backward's intermediates beside the buffers, which the
+    chunk plan does not count: the captures' peaks rose by 0.9-1.8 times these bytes
+    (U-Net 9 rows, CNN and MLP 65), so at most a 64th of the budget.
+    """
+    size = sum(n_out * math.prod(z.shape) * z.dtype.itemsize for z in zs)
+    return size <= min(SMALL_PASS_BYTES, memory_budget // 128)
 
 
 def _batched_grads(seeds, inputs) -> list[torch.Tensor | None] | None:

@@ -374,6 +374,23 @@ time by medians of 5 alternated rounds, K bit for bit. What is left there: the p
 capture's 64 backward passes on its two rows, the chunks' 64 per chunk, the SYRKs at the
 GEMM rate.
 
+Session s55 (``benchmarks/results/small_gram-s55.md``): a call on a few rows is mostly
+fixed costs, each a forward pass and a backward pass per output whatever the rows: the
+output count's forward, the probe capture of the check's rows, the autograd check, and
+the Gram's own capture. A symmetric Gram of at most :data:`OWN_CHECK_ROWS` rows has its
+probe capture and check run on ``x0, ..., x_{n-1}, x0`` (:func:`_own_check_rows`), and its
+block is the first ``n`` rows of that capture (:class:`_Blocks`' ``given``): one capture
+fewer, and the check sees the very batch the Gram is computed from; unchecked (a path
+kernel's steps) its probe capture is of X's rows; any call whose checked rows begin with
+``X`` (one query against a training set) reuses them alike. A capture whose outputs'
+site gradients are small takes them by one batched backward pass
+(:func:`._capture._small_pass`) instead of one per output. K the same bits as before on
+the benchmark's MLP, CNN and U-Net (6e-8 of the largest entry on the MLP's one row); the
+public call 1.0-2.6x as fast (a path kernel's of 8 steps 1.15-2.75x), still behind
+torch.func's ``vmap(jacrev)`` on the CNN and the U-Net at N <= 64 and the MLP at N = 1,
+where the check's backward pass over the outputs (with every parameter's gradient) is
+now the largest cost.
+
 ``X`` is what the module takes, ``(n_samples, ...)``: float features, images, sequences,
 or integer token ids; kernels and features have the parameters' dtype.
 """
@@ -391,8 +408,10 @@ import torch
 from .._memory import large_tensor, rows_per_block
 from .._modules import module_lock
 from ._capture import (
+    _CHECK_COPIES,
     CHECK_SAMPLES,
     Capture,
+    _checked,
     capture,
     check_per_sample,
     check_samples,
@@ -961,11 +980,13 @@ class _Blocks:
     in; blocks of an earlier ``_Blocks`` formed there are overwritten (the output groups
     of a trace, each summed before the next is captured: a fresh block faults in every
     page of it). ``order``: the blocks' row order (:func:`._contract.dense_grad`), "any"
-    for a trace without a preconditioner.
+    for a trace without a preconditioner. ``given``: a capture of X's rows taken already
+    (:func:`_prepared`), the first block's where that block is all of X in one capture.
     """
 
     def __init__(self, module, params, X, size, outputs, budget, keep, exclude=frozenset(),
-                 dense=frozenset(), chunk=None, scale=None, reuse=None, order="flat"):
+                 dense=frozenset(), chunk=None, scale=None, reuse=None, order="flat",
+                 given=None):
         self.module, self.params, self.X, self.exclude = module, params, X, exclude
         self.outputs, self.budget, self.keep = outputs, budget, keep
         self.dense, self.chunk, self.scale, self.order = dense, chunk, scale, order
@@ -974,6 +995,9 @@ class _Blocks:
         self._held: tuple[int, Capture] | None = None
         self._scratch: list[torch.Tensor] = []
         self._reuse = reuse
+        n = X.shape[0]
+        self._given = (given if given is not None and len(self.slices) == 1
+                       and (chunk is None or chunk >= n) else None)
         # The layer outputs are handed on uncopied until a capture finds one rewritten in
         # place (see capture's copy_sites); the later chunks copy them from the start.
         self._copy_sites = False
@@ -1029,7 +1053,8 @@ class _Blocks:
         sl = self.slices[i]
         n = sl.stop - sl.start
         if self.chunk is None or self.chunk >= n:
-            cap = self._capture(sl)
+            cap = self._capture(sl) if self._given is None else self._given
+            self._given = None
             cap.terms = _formed(cap.terms, self.dense, order=self.order)
         else:
             cap, terms = None, None
@@ -1137,6 +1162,52 @@ def _dense_bytes(term: Term, itemsize: int) -> int:
 
 def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), check_hidden=True,
              Y=None):
+    """``(params, outputs, mode, probe)``: the call's parameters and outputs, and the
+    probe capture of the first row that sizes its blocks (see :func:`_prepared`)."""
+    return _prepared(module, params, X, output, memory_budget, exclude, check_hidden, Y)[:4]
+
+
+#: Most rows of a symmetric Gram whose autograd check runs on the Gram's own capture
+#: (:func:`_own_check_rows`).
+OWN_CHECK_ROWS = 16
+
+
+def _own_check_rows(X: torch.Tensor, memory_budget: int) -> torch.Tensor | None:
+    """The rows ``x0, ..., x_{n-1}, x0`` of a small ``X`` (2 to :data:`OWN_CHECK_ROWS`
+    rows; X itself for one), whose one capture serves as the probe, as the rows of the
+    autograd check and as the Gram's block (:func:`_prepared`); None where ``X`` has more
+    rows, where the check's copies of them do not fit an eighth of the budget, or where
+    the cycle's length is that of another axis of ``X`` (see
+    :func:`._capture.check_rows`: the capture tells the samples by their count).
+
+    A check of these rows is at least as strict as that of ``check_rows``' cycle of the
+    first three samples (for two or three rows it is that cycle): a closed cycle of all
+    the samples is in no monotone order unless all of them tie on a sort's key (three of
+    them before), and a forward pass that reorders only batches of more rows than
+    three (``if len(x) > 3``) is checked on the very batch the Gram is computed from.
+    """
+    n = X.shape[0]
+    if n == 1:
+        return X
+    if n > OWN_CHECK_ROWS or n + 1 in X.shape[1:]:
+        return None
+    if _CHECK_COPIES * (n + 1) * X[0].numel() * X.element_size() > memory_budget // 8:
+        return None
+    return torch.cat([X, X[:1]])
+
+
+def _prepared(module, params, X, output, memory_budget, exclude=frozenset(), check_hidden=True,
+              Y=None, own=False):
+    """:func:`_prepare` and, last, a capture of ``X``'s rows already taken there, or None.
+
+    ``own``: a symmetric Gram of a few rows (:func:`_own_check_rows`) has the probe
+    capture and the autograd check run on ``X, x0``, and its block is the first ``n``
+    rows of that capture instead of a capture of its own: one forward and one backward
+    pass per output fewer on the same rows, the check on the Gram's own factors (a small
+    call is mostly these fixed costs, ``benchmarks/results/small_gram-s55.md``); without
+    the check, its probe capture is of X's rows. Any other call whose checked rows begin
+    with ``X`` (one or a few queries) takes them as well.
+    """
     params = dict(params)
     if X.ndim < 1 or X.shape[0] == 0:
         raise ValueError("X must be a non-empty tensor of shape (n_samples, ...), got shape "
@@ -1173,11 +1244,25 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
             checked = torch.cat([X, Y[picks]])
         # The check's batched pass over the outputs in the eighth of the budget that
         # captures take (session s53).
-        rows, probe, hidden = checked_capture(
-            module, params, checked, outputs, memory_budget=memory_budget,
-            batch_bytes=memory_budget // 8 if BATCHED_CHECK else 0, **kw)
+        batch_bytes = memory_budget // 8 if BATCHED_CHECK else 0
+        group = _own_check_rows(X, memory_budget) if own and Y is None else None
+        if group is not None:
+            try:
+                rows, probe, hidden = _checked(module, params, [group], outputs,
+                                               memory_budget, batch_bytes, kw)
+            except Exception:
+                # A network that refuses these rows (one needing its batch sorted): the
+                # check of check_rows, which knows such networks, raises what they raise.
+                group = None
+        if group is None:
+            rows, probe, hidden = checked_capture(module, params, checked, outputs,
+                                                  memory_budget=memory_budget,
+                                                  batch_bytes=batch_bytes, **kw)
     else:
-        rows, hidden = X[:1], frozenset()
+        # Unchecked (a path's steps after hidden_reads): a small symmetric Gram's probe
+        # capture is of all its rows, and is its block.
+        small = own and Y is None and X.shape[0] <= OWN_CHECK_ROWS
+        rows, hidden = (X if small else X[:1]), frozenset()
         probe = capture(module, params, rows, outputs, memory_budget=memory_budget, **kw)
     if hidden:
         rows = X[:1]
@@ -1186,11 +1271,14 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
                         copy_sites=False, fold_bn=True)
     # The probe's first row sizes the blocks. Rule layers it declined go to the fallback
     # in every block alike (the terms of two blocks are paired by position).
+    own_rows = None
+    if not hidden and rows.shape[0] >= X.shape[0] and torch.equal(rows[:X.shape[0]], X):
+        own_rows = dataclasses.replace(probe, terms=_rows(probe.terms, slice(0, X.shape[0])))
     probe = Capture(terms=_rows(probe.terms, slice(0, 1)), fallback=probe.fallback,
                     exclude=probe.exclude | probe.declined,
                     graph_bytes=-(-probe.graph_bytes // rows.shape[0]),
                     input_bytes=-(-probe.input_bytes // rows.shape[0]))
-    return params, outputs, mode, probe
+    return params, outputs, mode, probe, own_rows
 
 
 @_holds_module
@@ -1369,12 +1457,12 @@ def tangent_gram(
             K = _plain_mlp_gram(module, params, X, output, memory_budget, out_dtype)
         if K is not None:
             return K
-    params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget, exclude,
-                                            check_hidden, Y)
+    symmetric = Y is None and params_y is None
+    params, outputs, mode, probe, given = _prepared(module, params, X, output, memory_budget,
+                                                    exclude, check_hidden, Y, own=symmetric)
     dtype = value_dtype(params, X)
     weight = _check_weight(diag_weight, params, dtype, X.device)
     weight = None if weight is None else _Weighted(weight)
-    symmetric = Y is None and params_y is None
     Y = X if Y is None else Y
     params_y = params if params_y is None else params_y
     _check_y(X, Y)
@@ -1392,7 +1480,7 @@ def tangent_gram(
                              kept if shared else None)
     bx, by, weight, dense = _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe,
                                          weight, layout, symmetric, memory_budget,
-                                         dtype.itemsize)
+                                         dtype.itemsize, given=given)
     if mode != "full":
         # NumPy's memory (huge pages, see large_tensor): first writing a fresh 1024^2
         # float64 K faulted 2,048 pages from torch's allocator (2.4 ms), 514 (1.1 ms)
@@ -1600,14 +1688,16 @@ def _plain_upper(out, mats, r0: int, r1: int, c0: int, c1: int, panels, arena) -
 
 
 def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, layout,
-                 symmetric, memory_budget, itemsize, reuse=(None, None), held=0, counted=0):
+                 symmetric, memory_budget, itemsize, reuse=(None, None), held=0, counted=0,
+                 given=None):
     """The row and column blocks of a Gram, sized to the budget by the plan's route.
 
     ``reuse``: for the row and the column blocks, where their formed gradient blocks are
     kept (see :class:`_Blocks`), when earlier blocks held there are no longer used.
     ``held``: bytes the caller holds within the budget meanwhile (output groups' sums).
     ``counted``: bytes per row of a capture chunk that the caller counts apart (the kept
-    forward passes' graphs, :func:`_kept_forward_groups`).
+    forward passes' graphs, :func:`_kept_forward_groups`). ``given``: a capture of X's
+    rows taken already (see :class:`_Blocks`).
 
     Returns ``(bx, by, weight, dense)``: ``weight`` is None where the blocks carry the
     preconditioner's square root themselves; ``dense`` whether blocks are formed
@@ -1666,7 +1756,7 @@ def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, l
     n_row_blocks = -(-X.shape[0] // size)
     bx = _Blocks(module, params, X, size, outputs, memory_budget,
                  fits and symmetric and n_row_blocks > 1, probe.exclude, dense, chunk, scale,
-                 reuse[0], order)
+                 reuse[0], order, given)
     by = bx if symmetric else _Blocks(module, params_y, Y, size, outputs, memory_budget,
                                       fits and n_row_blocks > 1, probe.exclude, dense, chunk,
                                       scale, reuse[1], order)

@@ -499,3 +499,45 @@ def test_a_raw_product_rewritten_in_place_is_exact():
     _close(tangent_gram(module, params, X, output="full"), full)
     _close(tangent_gram(module, params, X), torch.einsum("ncmc->nm", full) / 2)
     _close(tangent_features(module, params, X, output="full", check_hidden=False), J)
+
+
+class _TimeMajor(nn.Module):
+    """Rows flattened position-major (RNN-style code: ``x.transpose(0, 1)`` made
+    contiguous, or that viewed as ``(n, s, d)`` and cloned, a tensor whose first axis is n
+    but whose blocks mix the samples), read by ``x @ W``, ``F.linear`` and a bias on the rows,
+    then viewed back per sample: the rows' count can equal the samples' (``s == n``), which
+    the capture's row check alone cannot tell from sample-major rows (s55 review)."""
+
+    def __init__(self, kind, d=3):
+        super().__init__()
+        self.kind = kind
+        self.W, self.b = nn.Parameter(torch.randn(d, 5) / 2), nn.Parameter(torch.randn(5))
+        self.U = nn.Parameter(torch.randn(5, d) / 2)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x):
+        n, s, d = x.shape
+        if self.kind == "relabelled":
+            rows = x.transpose(0, 1).contiguous().view(n, s, d).clone().view(-1, d)
+        else:
+            rows = x.transpose(0, 1).contiguous().view(-1, d)
+        h = torch.tanh(rows @ self.W + self.b) + torch.tanh(F.linear(rows, self.U))
+        return self.head(h.view(s, n, -1).transpose(0, 1)).mean(1)
+
+
+@pytest.mark.parametrize("kind", ["time_major", "relabelled"])
+@pytest.mark.parametrize("n", [3, 4])
+def test_position_major_rows_are_exact(kind, n):
+    # s == n == 4 also equals the check's cycle of rows (x0, x1, xl, x0): the rows pass
+    # the row check there, and the autograd check has to send W, b, U to the fallback.
+    torch.manual_seed(0)
+    module = _TimeMajor(kind).double()
+    X = torch.randn(n, n if kind == "time_major" else 3, 3, dtype=torch.float64)
+    params = _params(module)
+    J = jacobian_loop(module, X)
+    Y = X[:2] * 0.5
+    full = torch.einsum("ncp,mdp->ncmd", J, jacobian_loop(module, Y))
+    _close(tangent_gram(module, params, X, Y, output="full"), full)
+    _close(tangent_features(module, params, X, output="full"), J)
+    routes = {r.name: r for r in layer_routes(module, X)}
+    assert routes[""].route == "fallback" and routes["head"].route == "rule"

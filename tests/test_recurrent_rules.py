@@ -274,6 +274,25 @@ def test_torchs_refusal_of_a_batch_out_of_order_is_checked_in_order_silently(cel
     _close(K, torch.einsum("ncp,mdp->ncmd", J, J))
 
 
+@pytest.mark.parametrize("budget", [2**24, 20 * 2**10])
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_one_query_against_a_batch_torch_packs_sorted_matches_loop(cell, budget):
+    # K(x, Y) of one query shorter than Y's first sequence (step_kernel(x, X_train) with
+    # torch's default enforce_sorted=True): the check's rows x, y0, yl and its retry x, y0
+    # in their order are batches the Gram never forms, refused as out of order, and the
+    # call raised torch's refusal (sessions s54-s55); the Gram packs x alone and Y's
+    # sorted blocks. The 20 KiB budget takes the cycle's pairs from the start.
+    torch.manual_seed(0)
+    net = _Packed(cell, True).double().eval()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    Y, x = _padded([6, 5, 5, 3, 2, 1, 1]), _padded([2], seed=1)
+    J = jacobian_loop(net, torch.cat([x, Y]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        K = tangent_gram(net, params, x, Y, output="full", memory_budget=budget)
+    _close(K, torch.einsum("ncp,mdp->ncmd", J[:1], J[1:]))
+
+
 class _SortedByTheForward(nn.Module):
     """The idiom from before ``enforce_sorted=False``: the forward sorts the batch by
     length, packs it sorted, and puts ``h_n`` back in the samples' order. The packed

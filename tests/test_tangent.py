@@ -1344,6 +1344,26 @@ def test_the_check_takes_the_last_sample(keys, descending):
            torch.einsum("ncp,mdp->ncmd", J[1:2], J))
 
 
+@pytest.mark.parametrize("descending", [True, False])
+@pytest.mark.parametrize("repeated", [0, 1])
+def test_the_check_takes_a_last_sample_unlike_the_first_two(repeated, descending):
+    # X's last row a copy of x0 or x1 (a batch padded by wrapping around): x0, x1, xl held
+    # two samples, tied on a key on which x0, x1 tie, and l1 kept its rule (features 64-68%
+    # off; x2 of the first three saw the sort). The check takes the row before it.
+    module, params, X = _sorted_by_score(descending)
+    X[:, 0] = torch.tensor([5, 5, 1, 7, 2, 8, 3, 6, 4], dtype=X.dtype) * (
+        1 if descending else -1)
+    X[-1] = X[repeated]
+    J = _loop_jacobian(module, params, X)
+    # The features (a Gram of 9 rows checks all of them, _own_check_rows).
+    _close(tangent_features(module, params, X, output="full"), J)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+    assert {r.name: r.route for r in layer_routes(module, X)} == {"l1": "fallback",
+                                                                  "l2": "rule"}
+    assert [g[:, 0].tolist() for g in _capture.check_rows(X[:, :1], 2**20)] == [
+        [X[i, 0].item() for i in (0, 1, 7, 0)]]
+
+
 def test_a_cross_gram_refuses_y_of_another_shape_before_any_work():
     # Bad input is refused before the check runs the network on X and Y's rows.
     module, params, X = _sorted_by_score(True)
@@ -1353,6 +1373,34 @@ def test_a_cross_gram_refuses_y_of_another_shape_before_any_work():
         with pytest.raises(ValueError, match="Y must be a torch.float64 tensor of shape"):
             tangent_gram(module, params, X[:1], Y)
     assert not calls
+
+
+class _OfScalars(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(1, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x[:, None])))
+
+
+def test_a_cross_gram_refuses_a_y_without_a_samples_axis():
+    # X of scalar samples (n,) and Y a scalar: the trailing shapes agree, (), and Y was let
+    # through to an IndexError after the network ran (Y.shape[0]).
+    torch.manual_seed(0)
+    module = _OfScalars().double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    calls = []
+    module.l1.register_forward_hook(lambda *args: calls.append(1))
+    X = torch.randn(4, dtype=torch.float64)
+    for x in (X, X[:1]):
+        with pytest.raises(ValueError, match=r"Y must be a torch.float64 tensor of shape \(n\)"):
+            tangent_gram(module, params, x, X[0])
+    assert not calls
+    # Y of scalars as X: the Gram against the loop.
+    J = _loop_jacobian(module, params, X)
+    _close(tangent_gram(module, params, X[:1], X, output="full"),
+           torch.einsum("ncp,mdp->ncmd", J[:1], J))
 
 
 class _OneOfEach(_SortedByScore):
@@ -1408,14 +1456,19 @@ class _RefusesUnsorted(_TwoLayers):
         return super().forward(x)
 
 
-def test_a_check_failing_out_of_xs_order_warns_and_runs_in_order():
-    # The cycle and its pairs raise: the check runs on x0, x1 in X's order, as before, but
-    # says that a sort of the batch would go unseen (it was silent before session s55).
+def _refuses_unsorted():
+    """:class:`_RefusesUnsorted`, its parameters, and 6 rows in the order it requires."""
     torch.manual_seed(0)
     module = _RefusesUnsorted().double()
     params = {k: v.detach() for k, v in module.named_parameters()}
     X = torch.randn(6, 3, dtype=torch.float64)
-    X = X[X[:, 0].argsort()]
+    return module, params, X[X[:, 0].argsort()]
+
+
+def test_a_check_failing_out_of_xs_order_warns_and_runs_in_order():
+    # The cycle and its pairs raise: the check runs on x0, x1 in X's order, as before, but
+    # says that a sort of the batch would go unseen (it was silent before session s55).
+    module, params, X = _refuses_unsorted()
     with pytest.warns(UserWarning, match=r"raised on the rows it takes out of X's order "
                       r"\(RuntimeError: the batch must be sorted by its first feature\).*"
                       "reorders the batch"):
@@ -1430,6 +1483,19 @@ def test_a_check_failing_out_of_xs_order_warns_and_runs_in_order():
     with warnings.catch_warnings(), pytest.raises(RuntimeError, match="sorted by its first"):
         warnings.simplefilter("error")
         _capture.checked_capture(module, params, X[[1, 0]], [0], memory_budget=2**24)
+
+
+def test_a_one_query_check_failing_out_of_order_retries_on_batches_the_gram_forms():
+    # K(x, Y) checks x, y0, yl: a network refusing a batch out of its order raised on the
+    # cycle and its pairs, then on the retry x, y0 in their order, a batch the Gram never
+    # forms (x alone, Y's blocks), and the call raised (sessions s54-s55). The retry takes
+    # Y's first two and x apart.
+    module, params, Y = _refuses_unsorted()
+    x = Y[-1:] + 1
+    J = _loop_jacobian(module, params, torch.cat([x, Y]))
+    with pytest.warns(UserWarning, match="reorders the batch"):
+        K = tangent_gram(module, params, x, Y, output="full")
+    _close(K, torch.einsum("ncp,mdp->ncmd", J[:1], J[1:]))
 
 
 class _HostSquare(torch.autograd.Function):

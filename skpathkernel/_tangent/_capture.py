@@ -1582,15 +1582,35 @@ def check_samples(n: int, k: int = CHECK_SAMPLES) -> list[int]:
     return [0] if k == 1 else [*range(k - 1), n - 1]
 
 
+#: Rows from the end of ``X`` that :func:`_picks` compares with the first two.
+_LAST_TRIES = 4
+
+
+def _picks(X: torch.Tensor) -> list[int]:
+    """:func:`check_samples` of ``X``, its last sample the last of the ``_LAST_TRIES``
+    rows from the end that is unlike both first ones. A copy of ``x0`` or ``x1`` ties with
+    it on every key: where ``X``'s last row repeats its first (a batch padded to a size by
+    wrapping around, a closed curve sampled end to end), ``x0, x1, xl`` held two samples,
+    and a sort by a key tying on ``x0, x1`` went unseen (the Gram 42-48% off; session
+    s55's review), which ``x2`` of the first three saw."""
+    picks = check_samples(X.shape[0])
+    firsts = picks[:-1]
+    if len(picks) == CHECK_SAMPLES and picks[-1] > CHECK_SAMPLES - 1:
+        for i in range(picks[-1], max(picks[-1] - _LAST_TRIES, len(firsts) - 1), -1):
+            if not any(torch.equal(X[i], X[j]) for j in firsts):
+                return [*firsts, i]
+    return picks
+
+
 def check_rows(X: torch.Tensor, memory_budget: int) -> Sequence[torch.Tensor]:
     """The groups of rows :func:`_numerical_misfits` checks, each with a capture of its
-    own: a cycle of the ``CHECK_SAMPLES`` samples of :func:`check_samples` (the first
-    two and the last of ``X``) and the first again (``x0, x1, xl, x0``; ``x0, x1, x0`` for
-    two; longer, ``x0, x1, xl, x0, x1``, where X has an axis of that length), or, where
-    its copies of the rows do not fit an eighth of ``memory_budget`` (wide inputs: the
-    probe of two rows was already the peak of a call with a small budget), the cycle's
-    pairs (:class:`_CyclePairs`) one at a time (the probe's memory of two rows; three
-    captures and checks). One sample is taken alone.
+    own: a cycle of the ``CHECK_SAMPLES`` samples of :func:`_picks` (the first two and
+    the last of ``X``, or a later row unlike the first two) and the first again (``x0,
+    x1, xl, x0``; ``x0, x1, x0`` for two; longer, ``x0, x1, xl, x0, x1``, where X has an
+    axis of that length), or, where its copies of the rows do not fit an eighth of
+    ``memory_budget`` (wide inputs: the probe of two rows was already the peak of a call
+    with a small budget), the cycle's pairs (:class:`_CyclePairs`) one at a time (the
+    probe's memory of two rows; three captures and checks). One sample is taken alone.
 
     The check weights each group's rows 1, 2, ... (see there), so it sees a forward pass
     that reorders the rows before a rule layer wherever the reordering moves a row of a
@@ -1600,7 +1620,7 @@ def check_rows(X: torch.Tensor, memory_budget: int) -> Sequence[torch.Tensor]:
     samples tie on its key; two identical rows swapped give the same factors, so the
     cycle's repeated row is never a false alarm.
     """
-    picks = check_samples(X.shape[0])
+    picks = _picks(X)
     k = len(picks)
     if k < 2:
         return [X[:1]]
@@ -1635,10 +1655,17 @@ class _CyclePairs(Sequence):
 
 
 def checked_capture(module, params, X, outputs, *, memory_budget, batch_bytes=0,
-                    **capture_kw):
+                    in_order=None, **capture_kw):
     """The probe capture of the first group of :func:`check_rows` and the parameters that
     :func:`_numerical_misfits` sends to the fallback over every group: ``(rows, cap,
     misfits)``, ``cap`` the capture of ``rows`` (the other groups captured too, alike).
+
+    ``in_order``: the groups of rows checked in their own order where ``X``'s raise
+    (below), the first the probe; ``None`` takes ``[X[:2]]``. A cross check whose ``X``
+    holds a query's rows and then ``Y``'s passes batches the Gram forms, the query's and
+    ``Y``'s apart: ``x, y0`` is one it never forms (a network packing with
+    ``enforce_sorted=True`` refused it where ``x`` was the shorter, and the call raised,
+    sessions s54-s55).
 
     Where the check's rows raise, what a user would want decides the retry:
 
@@ -1660,11 +1687,12 @@ def checked_capture(module, params, X, outputs, *, memory_budget, batch_bytes=0,
         return _checked(module, params, groups, outputs, memory_budget, batch_bytes,
                         capture_kw)
 
+    retry = [X[:2]] if in_order is None else in_order
     groups = check_rows(X, memory_budget)
     try:
         return run(groups)
     except Exception as error:
-        if X.shape[0] < 2:
+        if in_order is None and X.shape[0] < 2:
             raise
         # The error's text only: its traceback holds the failed pass's tensors (an
         # out-of-memory error's among them) alive through the retry.
@@ -1674,17 +1702,17 @@ def checked_capture(module, params, X, outputs, *, memory_budget, batch_bytes=0,
     cycle = len(groups) == 1
     del groups  # the cycle's rows, copied
     if refused:
-        return run([X[:2]])
+        return run(retry)
     if cycle:
         try:
-            return run(_CyclePairs(X, check_samples(X.shape[0])))
+            return run(_CyclePairs(X, _picks(X)))
         except Exception:
             pass
     # The warning after the check: where x0, x1 raise too, the network's error alone.
-    out = run([X[:2]])
+    out = run(retry)
     warnings.warn(
         "The autograd check of the layers' rules raised on the rows it takes out of X's "
-        f"order ({why}); it ran on the first two samples in X's order instead, where it "
+        f"order ({why}); it ran on samples in their own order instead (X's first two), where it "
         "cannot see a forward pass that reorders the batch (a sort by the data) before a "
         "layer: such a layer would keep its rule, and its part of the Gram be wrong.",
         UserWarning, stacklevel=caller_stacklevel())

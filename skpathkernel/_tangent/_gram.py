@@ -1238,10 +1238,15 @@ def _prepared(module, params, X, output, memory_budget, exclude=frozenset(), che
         # 42% off; tests/test_tangent.py::test_a_cross_gram_of_one_query_checks_ys_rows).
         # Y's first and last, as X's are taken (check_samples): Y's first rows may tie on
         # a sort key.
-        checked = X
+        # Where those rows raise, the retry in order takes batches the Gram forms
+        # (checked_capture's in_order), never X's rows and Y's in one: X's first two, or
+        # Y's first two (the probe: a packed recurrent layer's rule takes a batch of one
+        # that Y's blocks decline) and the query.
+        checked, in_order = X, None
         if Y is not None and X.shape[0] < CHECK_SAMPLES and Y.device == X.device:
             picks = check_samples(Y.shape[0], CHECK_SAMPLES - X.shape[0])
             checked = torch.cat([X, Y[picks]])
+            in_order = [X[:2]] if X.shape[0] > 1 else [Y[:2], X]
         # The check's batched pass over the outputs in the eighth of the budget that
         # captures take (session s53).
         batch_bytes = memory_budget // 8 if BATCHED_CHECK else 0
@@ -1257,7 +1262,8 @@ def _prepared(module, params, X, output, memory_budget, exclude=frozenset(), che
         if group is None:
             rows, probe, hidden = checked_capture(module, params, checked, outputs,
                                                   memory_budget=memory_budget,
-                                                  batch_bytes=batch_bytes, **kw)
+                                                  batch_bytes=batch_bytes, in_order=in_order,
+                                                  **kw)
     else:
         # Unchecked (a path's steps after hidden_reads): a small symmetric Gram's probe
         # capture is of all its rows, and is its block.
@@ -1369,7 +1375,8 @@ def _gram_plan(probe, n_x, n_y, mode, weighted, symmetric, budget, itemsize, sca
 
 
 def _check_y(X, Y):
-    if Y.shape[1:] != X.shape[1:] or Y.dtype != X.dtype:
+    # The axes counted too: a scalar Y against X of scalars, (n,), has its trailing shape.
+    if Y.ndim != X.ndim or Y.shape[1:] != X.shape[1:] or Y.dtype != X.dtype:
         shape = ", ".join(["n", *(str(d) for d in X.shape[1:])])
         raise ValueError(f"Y must be a {X.dtype} tensor of shape ({shape}) like X, "
                          f"got {Y.dtype} of shape {tuple(Y.shape)}.")

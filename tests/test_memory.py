@@ -623,10 +623,17 @@ def test_exact_walk_allocates_no_parameter_sized_blocks_per_step(momentum, verb)
     freed them afresh (momentum's decompose: 2260 on 40 steps against 319 on 10; plain
     SGD's 706 against 192), and on a 1M-parameter MLP glibc's heap kept the multi-MB
     fragments: 1.3 GB resident at a 256 MiB budget, one run in two
-    (``benchmarks/results/user_trial_memory-s52.md``)."""
+    (``benchmarks/results/user_trial_memory-s52.md``).
+
+    Not exactly as many: a held buffer is grown where a later block of steps asks for
+    more nodes or steps ahead than any before it ("block points", 63 float32 points on
+    the short path, 80 then 112 on the long one on an AVX2 host, whose float32 round-off
+    chose other node counts than an AVX-512 host's): once per growth in a call, not per
+    step. Per-step allocations add at least one per step, 30 here."""
     short = _parameter_sized_allocations(momentum, 5, verb)
     long = _parameter_sized_allocations(momentum, 20, verb)
-    assert long == short, (short, long)
+    steps = 2 * (20 - 5)
+    assert long - short <= steps // 10, (short, long)
 
 
 class _ConstantOutput(torch.nn.Module):

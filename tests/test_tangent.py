@@ -2618,6 +2618,41 @@ def test_a_grams_peak_memory_stays_within_the_budget(make, cross):
     assert 0 < peak - K.nbytes <= budget, (peak - K.nbytes, budget)
 
 
+def test_grouped_backwards_work_buffers_are_counted_by_the_chunk_plan():
+    # oneDNN's grouped backward by weights (_layers._conv_formed) holds work buffers
+    # besides the gradients it returns, sized by the library for the CPU: on an AVX2 one
+    # 5x them for _WideConvs' dilated convolution, whose few positions give it small
+    # patches, so that the chunk plan's four times its factors fell short (its Gram above
+    # held 1.5% over the budget there). Measured on this CPU in a chunk of 8 rows of two
+    # outputs: the call's peak within what the chunk plan counts for the layer (four times
+    # its factors and _layers.formed_workspace). (The strided one has fewer positions
+    # than outputs x channels: the patches' route.)
+    torch.manual_seed(0)
+    module = _WideConvs(2)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = torch.randn(8, 2, 6, 6)
+    probe = _gram._prepare(module, params, X, "trace", 2**30)[3]
+    counted = {t.inputs[0][0]: (4 * _gram._term_bytes(t), _layers.formed_workspace(t, 4))
+               for t in probe.terms}
+    assert [name for name, (_, extra) in counted.items() if extra] == ["conv.weight"]
+    with torch.no_grad():
+        a = F.pad(torch.relu(module.stem(X)), (2, 2, 2, 2), mode="reflect")
+    weight = module.conv.weight
+    delta = torch.randn(8, 2, 16, 6, 6)
+
+    def formed():
+        return torch.nn.grad.conv2d_weight(
+            a.reshape(1, -1, *a.shape[2:]), (8 * 2 * 16, *weight.shape[1:]),
+            delta.reshape(1, -1, 6, 6), 1, 0, 2, 8)
+
+    formed()  # one-time allocations
+    g, peak = cpu_peak_bytes(formed)
+    assert g.nbytes < peak <= 8 * sum(counted["conv.weight"]), (peak, counted)
+    # The call measured is the per-sample weight gradients (summed: the batch's).
+    assert torch.allclose(g.view(8, 2, *weight.shape).sum((0, 1)), torch.func.grad(
+        lambda w: (F.conv2d(a, w, dilation=2) * delta.sum(1)).sum())(weight), atol=1e-4)
+
+
 def test_output_groups_of_unequal_widths_stay_within_the_budget():
     # Five outputs in two groups of unequal widths (two and three outputs): the second
     # group's wider blocks are formed in the buffers of the first's. Growing them one at a

@@ -434,6 +434,7 @@ from ._contract import (
     param_numel,
     rank_one,
 )
+from ._layers import formed_workspace
 from ._rules import Term
 from ._stacked import (
     _IN_PLACE,
@@ -1773,9 +1774,18 @@ def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, l
 
 def _chunk_row_bytes(probe: Capture, kept: int) -> int:
     """Bytes per row of a chunk captured into formed blocks: its factors, graph,
-    forming and copy of its rows (:meth:`.Capture.capture_bytes`), in an eighth of the
-    budget (see :func:`_gram_blocks`)."""
-    return 8 * (probe.capture_bytes() + kept)
+    forming and copy of its rows (:meth:`.Capture.capture_bytes`), and what a
+    convolution's weight formed by oneDNN holds beyond that (the largest layer's,
+    :func:`._layers.formed_workspace`), in an eighth of the budget (see
+    :func:`_gram_blocks`).
+
+    Without the latter a float32 cross Gram of ``tests/test_tangent.py``'s ``_WideConvs``
+    took 7-row chunks and held 4,258,084 bytes besides K at a 4 MiB budget on an AVX2 CPU:
+    its dilated convolution's backward held 537,088 bytes of work buffers beside its
+    129,024 of gradients (``benchmarks/results/host_zen3-s55.md``)."""
+    workspace = max((formed_workspace(t, t.delta.element_size()) for t in probe.terms),
+                    default=0)
+    return 8 * (probe.capture_bytes() + kept + workspace)
 
 
 def _dense_shares(probe: Capture, kept: int, budget: int) -> tuple[int, int]:

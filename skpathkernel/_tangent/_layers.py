@@ -294,10 +294,9 @@ def _conv_formed(use, deltas, names):
     kernel, stride, padding, dilation, groups = _conv_geometry(use, dilation_at=5)
     n, C, c_out = delta.shape[:3]
     c_in = a.shape[1]
-    if (groups != 1 or isinstance(padding, str) or a.device.type != "cpu"
-            or a.dtype != torch.float32 or math.prod(kernel) == 1
-            or c_in * math.prod(kernel) % 16
-            or not C * c_out < math.prod(delta.shape[3:]) or C * c_out > 128):
+    if (groups != 1 or isinstance(padding, str) or math.prod(kernel) == 1
+            or not _grouped_backward_fits(C, c_out, math.prod(delta.shape[3:]),
+                                          c_in * math.prod(kernel), a)):
         return None
     weight = _arg(use, 1, "weight")
     g = torch.nn.grad.conv2d_weight(
@@ -309,6 +308,42 @@ def _conv_formed(use, deltas, names):
         d = delta.reshape(n, C, c_out, -1).transpose(2, 3)
         terms.append(Term(delta=d, inputs=[(names["bias"], None)]))
     return terms
+
+
+def _grouped_backward_fits(C: int, c_out: int, positions: int, q: int,
+                           like: torch.Tensor) -> bool:
+    """Whether :func:`_conv_formed` takes a convolution of ``C`` outputs, ``c_out``
+    channels, ``positions`` output positions and patches of ``q`` entries (see there)."""
+    return (like.device.type == "cpu" and like.dtype == torch.float32 and q % 16 == 0
+            and C * c_out < positions and C * c_out <= 128)
+
+
+# oneDNN's grouped backward by weights holds work buffers besides the gradients it
+# returns: on an AVX2 CPU (Zen 3, torch 2.13, one thread) 2.0-3.2x them (3x3 kernels,
+# strided or not), 5.1-6.6x dilated (16 channels, 6-16 output positions a side;
+# benchmarks/results/host_zen3-s55.md). With the gradients themselves, at most this many
+# times the term's formed block (:func:`formed_workspace`).
+GROUPED_BACKWARD_BYTES = 7
+
+
+def formed_workspace(term, itemsize: int) -> int:
+    """Bytes per sample that forming ``term``'s weight by oneDNN's grouped backward
+    (:func:`_conv_formed`) may hold beyond what a capture's estimate counts for the term
+    (:meth:`._capture.Capture.capture_bytes`: four times its factors, whose patches this
+    route never forms); 0 where the route would not take it.
+
+    Where the positions are few for the block (``S`` just above ``C p``), the patches
+    are small beside the gradients and their work buffers: a chunk of a cross Gram of
+    ``tests/test_tangent.py``'s ``_WideConvs`` held 1.5% over its budget on an AVX2 CPU.
+    Where they are many (the ResNet's and CIFAR's convolutions) this is 0. From the term's
+    shapes alone: a Linear's term over positions of the same shapes is counted too, the
+    estimate errs on the safe side there."""
+    if term.groups != 1 or term.rows is not None or len(term.inputs) != 1:
+        return 0
+    (_, a), (_, C, S, p) = term.inputs[0], term.delta.shape
+    if a is None or not _grouped_backward_fits(C, p, S, a.shape[-1], a):
+        return 0
+    return max(0, itemsize * (GROUPED_BACKWARD_BYTES * C * p - 4 * S) * a.shape[-1])
 
 
 def formed_terms(rule, use, deltas, names, formed):

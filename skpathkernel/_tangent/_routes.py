@@ -188,7 +188,9 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
     functions do not see and for a forward pass that reorders the samples before a layer)
     on a few samples of ``X`` (the cycle ``x0, x1, xl, x0`` of its first two and last, of
     :func:`._capture.check_rows`), so the routes are those every kernel, feature and
-    decomposition computation on such inputs takes.
+    decomposition computation on such inputs takes; a symmetric Gram of at most 16 rows
+    checks all of its rows instead (``_gram._own_check_rows``), and may send to the
+    fallback a layer that a reordering on samples tying here hid from these few.
 
     Parameters
     ----------

@@ -382,8 +382,11 @@ probe capture and check run on ``x0, ..., x_{n-1}, x0`` (:func:`_own_check_rows`
 block is the first ``n`` rows of that capture (:class:`_Blocks`' ``given``): one capture
 fewer, and the check sees the very batch the Gram is computed from; unchecked (a path
 kernel's steps) its probe capture is of X's rows; any call whose checked rows begin with
-``X`` (one query against a training set) reuses them alike. A capture whose outputs'
-site gradients are small takes them by one batched backward pass
+``X`` (one query against a training set) reuses them alike. More rows than the check's
+four are captured before the block plan only where a capture of ``x0`` says they fit
+the budget (:func:`_unplanned_fits`, one capture more; the review of session s55): the
+gains below at N = 5-16 are then smaller. A capture whose outputs' site gradients are
+small takes them by one batched backward pass
 (:func:`._capture._small_pass`) instead of one per output. K the same bits as before on
 the benchmark's MLP, CNN and U-Net (6e-8 of the largest entry on the MLP's one row); the
 public call 1.0-2.6x as fast (a path kernel's of 8 steps 1.15-2.75x), still behind

@@ -8,6 +8,7 @@ import torch
 from _reference import jacobian_loop
 from torch import nn
 
+from benchmarks.bench_gpu_choices import cpu_peak_bytes
 from skpathkernel._tangent import _capture, _gram, tangent_gram
 
 
@@ -66,15 +67,19 @@ R = _gram.OWN_CHECK_ROWS
 
 
 @pytest.mark.parametrize("check, n, forwards",
-                         [(True, 1, 3), (True, 2, 3), (True, 8, 3), (True, R, 3),
-                          (True, R + 1, 4), (False, 1, 2), (False, 8, 2), (False, R + 1, 3)])
+                         [(True, 1, 3), (True, 2, 3), (True, 3, 3), (True, 4, 4),
+                          (True, 8, 4), (True, R, 4), (True, R + 1, 4), (False, 1, 2),
+                          (False, 4, 2), (False, 5, 3), (False, 8, 3), (False, R + 1, 3)])
 def test_a_small_symmetric_gram_captures_its_rows_once(check, n, forwards):
     # The module's forward passes in one call. Checked: the output count (one row), the
     # capture of the rows x0..x_{n-1}, x0 and the autograd check's forward of them; their
     # first n rows are the Gram's block (a capture of X of its own before session s55:
-    # 4). Over OWN_CHECK_ROWS rows the check takes check_rows' cycle and X is captured
-    # apart. Unchecked (a path's steps after hidden_reads): the output count and one
-    # capture of X's rows, probe and block at once (3 before: the probe of x0 apart).
+    # 4). More than the check's four rows are captured so only where a capture of x0
+    # says they fit the budget (_unplanned_fits): one more forward, 4. Over
+    # OWN_CHECK_ROWS rows the check takes check_rows' cycle and X is captured apart.
+    # Unchecked (a path's steps after hidden_reads): the output count and one capture of
+    # X's rows, probe and block at once (3 before: the probe of x0 apart); over four
+    # rows the capture of x0 first, 3.
     torch.manual_seed(0)
     module = _Counted().double()
     params = {k: v.detach() for k, v in module.named_parameters()}
@@ -87,21 +92,23 @@ def test_a_small_symmetric_gram_captures_its_rows_once(check, n, forwards):
 
 def test_the_small_captures_take_one_batched_backward_pass():
     # Three outputs over a few rows: their backprops in one batched pass (the tap's
-    # backward runs once per pass, batched or not), then the check's batched pass: two.
-    # One pass per output before session s55: three for the capture, one for the check.
+    # backward runs once per pass, batched or not), then the check's batched pass.
+    # One pass per output before session s55: three per capture, one for the check.
     torch.manual_seed(0)
     module = _Counted().double()
     params = {k: v.detach() for k, v in module.named_parameters()}
     X = torch.randn(5, 4, dtype=torch.float64)
     module.backwards = 0
     K = tangent_gram(module, params, X)
-    assert module.backwards == 2
+    # x0's capture (_unplanned_fits: six rows are more than the check's four), the
+    # capture of x0..x4, x0, the check.
+    assert module.backwards == 3
     _close(K, _reference_gram(module, params, X))
     # The sites' gradients of the captured rows x0..x4, x0 for the three outputs: 6 rows
     # of l1's 6 and l2's 3 outputs, float64. Over a 128th of the budget: one pass per
-    # output again (the check's pass still batched).
+    # output again (x0's capture and the check's pass still batched).
     size = 3 * 6 * (6 + 3) * 8
-    for budget, passes in [(128 * size, 2), (128 * size - 1, 3 + 1)]:
+    for budget, passes in [(128 * size, 3), (128 * size - 1, 1 + 3 + 1)]:
         module.backwards = 0
         _close(tangent_gram(module, params, X, memory_budget=budget),
                _reference_gram(module, params, X))
@@ -168,3 +175,32 @@ def test_a_small_batched_pass_sums_batchnorm_sites(monkeypatch):
                         or real(out, seeds, zs, sums))
     _close(tangent_gram(module, params, X), _reference_gram(module, params, X))
     assert summed and all(s == 1 for s in summed)
+
+
+class _RepeatedActivations(nn.Module):
+    """A graph 800 times its factors (tests/test_memory.py's): about 1 MiB a row."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 16).double()
+
+    def forward(self, x):
+        return torch.exp(torch.sin(torch.tanh(self.lin(x).repeat(1, 2048)))).sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("n", [8, R])
+def test_a_small_grams_own_capture_keeps_within_the_budget(check, n):
+    # The own rows were captured before any plan, at any budget: 16 rows of this network
+    # peaked at 21 MiB (20 unchecked) with a budget of 8 MiB. Now more than the check's
+    # four rows only where x0's capture says they fit; else the planned blocks.
+    torch.manual_seed(0)
+    net = _RepeatedActivations()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    X = torch.randn(n, 4, dtype=torch.float64)
+    budget = 8 * 2**20
+    tangent_gram(net, params, X[:3], memory_budget=budget)  # one-time allocations
+    K, peak = cpu_peak_bytes(lambda: tangent_gram(net, params, X, memory_budget=budget,
+                                                  check_hidden=check))
+    assert peak <= budget, (peak, budget)
+    _close(K, _reference_gram(net, params, X))

@@ -382,8 +382,11 @@ probe capture and check run on ``x0, ..., x_{n-1}, x0`` (:func:`_own_check_rows`
 block is the first ``n`` rows of that capture (:class:`_Blocks`' ``given``): one capture
 fewer, and the check sees the very batch the Gram is computed from; unchecked (a path
 kernel's steps) its probe capture is of X's rows; any call whose checked rows begin with
-``X`` (one query against a training set) reuses them alike. A capture whose outputs'
-site gradients are small takes them by one batched backward pass
+``X`` (one query against a training set) reuses them alike. More rows than the check's
+four are captured before the block plan only where a capture of ``x0`` says they fit
+the budget (:func:`_unplanned_fits`, one capture more; the review of session s55): the
+gains below at N = 5-16 are then smaller. A capture whose outputs' site gradients are
+small takes them by one batched backward pass
 (:func:`._capture._small_pass`) instead of one per output. K the same bits as before on
 the benchmark's MLP, CNN and U-Net (6e-8 of the largest entry on the MLP's one row); the
 public call 1.0-2.6x as fast (a path kernel's of 8 steps 1.15-2.75x), still behind
@@ -1197,6 +1200,25 @@ def _own_check_rows(X: torch.Tensor, memory_budget: int) -> torch.Tensor | None:
     return torch.cat([X, X[:1]])
 
 
+#: Rows a call captures before a row's bytes are known: check_rows' cycle (x0, x1, xl, x0)
+#: was always captured so, whatever the budget.
+_UNPLANNED_ROWS = CHECK_SAMPLES + 1
+
+
+def _unplanned_fits(module, params, X, rows, outputs, memory_budget, kw):
+    """``(fits, one)``: whether a capture of ``rows`` of X's rows before the block plan
+    (the small Gram's own rows, :func:`_own_check_rows`) keeps within ``memory_budget``;
+    ``one`` the capture of ``x0`` taken to tell, else None. Up to :data:`_UNPLANNED_ROWS`
+    rows, as many as the check always captured; more where ``x0``'s capture says they
+    take at most half the budget, as the block plan sizes a block (:func:`_block_size`).
+    Without this bound the own rows' capture ran at any budget: the graph-heavy network
+    of ``tests/test_memory.py`` peaked at 21 MiB on 16 rows with a budget of 8 MiB."""
+    if rows <= _UNPLANNED_ROWS:
+        return True, None
+    one = capture(module, params, X[:1], outputs, memory_budget=memory_budget, **kw)
+    return 2 * rows * one.capture_bytes() <= memory_budget, one
+
+
 def _prepared(module, params, X, output, memory_budget, exclude=frozenset(), check_hidden=True,
               Y=None, own=False):
     """:func:`_prepare` and, last, a capture of ``X``'s rows already taken there, or None.
@@ -1252,6 +1274,9 @@ def _prepared(module, params, X, output, memory_budget, exclude=frozenset(), che
         # captures take (session s53).
         batch_bytes = memory_budget // 8 if BATCHED_CHECK else 0
         group = _own_check_rows(X, memory_budget) if own and Y is None else None
+        if group is not None and not _unplanned_fits(module, params, X, group.shape[0],
+                                                     outputs, memory_budget, kw)[0]:
+            group = None
         if group is not None:
             try:
                 rows, probe, hidden = _checked(module, params, [group], outputs,
@@ -1268,9 +1293,13 @@ def _prepared(module, params, X, output, memory_budget, exclude=frozenset(), che
     else:
         # Unchecked (a path's steps after hidden_reads): a small symmetric Gram's probe
         # capture is of all its rows, and is its block.
-        small = own and Y is None and X.shape[0] <= OWN_CHECK_ROWS
+        small, probe = own and Y is None and X.shape[0] <= OWN_CHECK_ROWS, None
+        if small:
+            small, probe = _unplanned_fits(module, params, X, X.shape[0], outputs,
+                                           memory_budget, kw)
         rows, hidden = (X if small else X[:1]), frozenset()
-        probe = capture(module, params, rows, outputs, memory_budget=memory_budget, **kw)
+        if small or probe is None:
+            probe = capture(module, params, rows, outputs, memory_budget=memory_budget, **kw)
     if hidden:
         rows = X[:1]
         probe = capture(module, params, rows, outputs, memory_budget=memory_budget,

@@ -1509,6 +1509,9 @@ def tangent_gram(
     groups = _output_groups(probe, n, m, mode, weight, symmetric, memory_budget,
                             dtype.itemsize)
     if len(groups) > 1:
+        # The output groups capture their own rows: the probe's capture of X's (a small
+        # Gram's, see _prepared) would be held beside them for nothing.
+        given = None
         kept = _kept_forward_groups(probe, n, mode, weight, memory_budget,
                                     dtype.itemsize) if symmetric else None
         shared = kept is not None and len(kept) > 1
@@ -1518,6 +1521,7 @@ def tangent_gram(
     bx, by, weight, dense = _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe,
                                          weight, layout, symmetric, memory_budget,
                                          dtype.itemsize, given=given)
+    given = None  # the blocks hold it where they use it, and drop it where they do not
     if mode != "full":
         # NumPy's memory (huge pages, see large_tensor): first writing a fresh 1024^2
         # float64 K faulted 2,048 pages from torch's allocator (2.4 ms), 514 (1.1 ms)

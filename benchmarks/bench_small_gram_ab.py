@@ -7,8 +7,9 @@ imported), each fits its own estimator from the same network and one SGD step, a
 three calls alternate (the order reversed every round), ``time.process_time`` per call,
 medians. K is compared between the two sides (max ``|dK|`` / max ``|K|``) and with a
 float64 torch.func reference of the same network (``functional_call`` + ``vmap`` +
-``jacrev``, the trace over outputs / C, as torch.func's documentation writes the
-empirical NTK), beside the float32 torch.func result's own difference from it.
+``jacrev``, one product per parameter's Jacobian, summed, the trace over outputs / C, as
+torch.func's NTK tutorial writes the empirical NTK), beside the float32 torch.func
+result's own difference from it.
 
 Networks: ``mlp`` 64-256-256-10 tanh, ``cnn`` Conv2d(1, 8, 3)-ReLU-Conv2d(8, 8, 3)-ReLU-
 Flatten-Linear(512, 10) on 1 x 8 x 8, ``unet`` the user trial's DDPM U-Net (c = 16 on
@@ -103,7 +104,7 @@ def peer(m, X, C):
     """torch.func's empirical NTK, trace over the outputs / C, as its tutorial
     (``empirical_ntk_jacobian_contraction``) writes it: one product per parameter's
     Jacobian, summed. (Concatenating the Jacobians first, as this script did until the
-    review of session s55, copies all of J: the MLP's peer 1.4-1.6x slower.)"""
+    review of session s55, copies all of J: the MLP's peer 1.3-1.8x slower from N = 8.)"""
     params = {k: v.detach() for k, v in m.named_parameters()}
 
     def f(p, x):

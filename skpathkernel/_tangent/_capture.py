@@ -1591,7 +1591,7 @@ def _picks(X: torch.Tensor) -> list[int]:
     rows from the end that is unlike both first ones. A copy of ``x0`` or ``x1`` ties with
     it on every key: where ``X``'s last row repeats its first (a batch padded to a size by
     wrapping around, a closed curve sampled end to end), ``x0, x1, xl`` held two samples,
-    and a sort by a key tying on ``x0, x1`` went unseen (the Gram 42-48% off; session
+    and a sort by a key tying on ``x0, x1`` went unseen (the Gram 42-52% off; session
     s55's review), which ``x2`` of the first three saw."""
     picks = check_samples(X.shape[0])
     firsts = picks[:-1]

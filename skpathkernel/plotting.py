@@ -1528,9 +1528,12 @@ def _check_against_samples(resolved, kw, given, n):
             low = k + 1
             why = f" with n_neighbors={k!r} (UMAP's must be under the sample count)"
     init = kw.get("init")
-    if isinstance(init, np.ndarray) and (init.shape != (n, 2) or init.dtype.kind != "f"
+    # t-SNE descends on the array in its own dtype (an int one fails on the first step);
+    # umap-learn converts it to float32, so ints are starting points to it.
+    kinds, what = ("f", "floats") if resolved == "tsne" else ("iuf", "numbers")
+    if isinstance(init, np.ndarray) and (init.shape != (n, 2) or init.dtype.kind not in kinds
                                          or not np.isfinite(init).all()):
-        raise ValueError(f"method_kw: init must be an array of finite floats of shape "
+        raise ValueError(f"method_kw: init must be an array of finite {what} of shape "
                          f"({n}, 2), one starting point per sample, got {init.dtype} of "
                          f"shape {init.shape}.")
     if n < low:

@@ -1339,6 +1339,34 @@ def test_umap_options_are_checked_before_the_kernel(circle, monkeypatch, n, kw, 
     assert calls == []
 
 
+def test_umap_takes_an_initial_embedding_of_ints(circle, monkeypatch):
+    """umap-learn converts an init array to float32 (``check_array(self.init,
+    dtype=np.float32)`` in its fit), so one of ints is a start to it; the display refused
+    it with t-SNE's rule (floats only: t-SNE descends on the array in its own dtype). It
+    reaches UMAP as given; a non-finite or misshapen one is still refused."""
+    clf, X, _ = circle
+    made = []
+
+    class Capture(_UMAPOptions):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            made.append(kw)
+
+    umap = type(sys)("umap")
+    umap.UMAP = Capture
+    monkeypatch.setitem(sys.modules, "umap", umap)
+    init = np.arange(24).reshape(12, 2)
+    disp = TangentEmbeddingDisplay.from_estimator(clf, X[:12], method="umap",
+                                                  method_kw={"init": init})
+    assert disp.embedding.shape == (12, 2) and made[-1]["init"] is init
+    calls = _count_kernels(monkeypatch)
+    for bad in (np.full((12, 2), np.nan), init[:11], init.astype(str)):
+        with pytest.raises(ValueError, match="init must be an array of finite numbers"):
+            TangentEmbeddingDisplay.from_estimator(clf, X[:12], method="umap",
+                                                   method_kw={"init": bad})
+    assert calls == []
+
+
 def test_a_regressors_int_targets_are_values_a_classifiers_labels():
     """An int regression target (counts, ages) was drawn as one class per value, with
     a legend entry each, because type_of_target calls ints "multiclass". The estimator

@@ -597,7 +597,9 @@ class _UseWatch(TorchFunctionMode):
             else:
                 out, ((a, z),) = run
                 self.free_products.append((rule, names, Use(func, args, kwargs, (a,)), (z,)))
-                if out is z or out._base is z:  # z, or z viewed as flattened rows
+                # z, or z viewed as flattened rows; z may itself be a view (F.linear with a
+                # bias on (n, s, d) rows views addmm's output), whose views share its base.
+                if out is z or out._base is (z._base if z._is_view() else z):
                     return self._hand_on(z).view(out.shape)
                 return out  # the expand's own copy
         out = func(*args, **kwargs)

@@ -1364,6 +1364,25 @@ def test_the_check_takes_a_last_sample_unlike_the_first_two(repeated, descending
         [X[i, 0].item() for i in (0, 1, 7, 0)]]
 
 
+@pytest.mark.parametrize("descending", [True, False])
+@pytest.mark.parametrize("repeated", ["y0", "query"])
+def test_a_one_query_check_takes_a_last_y_unlike_the_query_and_y0(repeated, descending):
+    # K(x, Y) checks x, y0, yl: where Y's last row repeats y0 (wrap-around padding) or is
+    # the query itself (a query from the training set), the check held two samples, tied
+    # on a key on which x and y0 tie, and l1 kept its rule (54-56% off; y1 of the first
+    # two saw the sort on c4c39914). The check takes Y's row before it.
+    module, params, Y = _sorted_by_score(descending)
+    Y[:, 0] = torch.tensor([5, 1, 7, 2, 8, 3, 6, 4, 5], dtype=Y.dtype) * (
+        1 if descending else -1)
+    x = Y[:1].clone()
+    x[0, 1:] = torch.tensor([0.3, -0.7], dtype=Y.dtype)  # unlike y0, tied on the key
+    Y[-1] = Y[0] if repeated == "y0" else x[0]
+    J, Jx = _loop_jacobian(module, params, Y), _loop_jacobian(module, params, x)
+    _close(tangent_gram(module, params, x, Y, output="full"),
+           torch.einsum("ncp,mdp->ncmd", Jx, J))
+    assert _capture._picks(Y, 2, before=x) == [0, 7]
+
+
 def test_a_cross_gram_refuses_y_of_another_shape_before_any_work():
     # Bad input is refused before the check runs the network on X and Y's rows.
     module, params, X = _sorted_by_score(True)

@@ -1584,23 +1584,30 @@ def check_samples(n: int, k: int = CHECK_SAMPLES) -> list[int]:
     return [0] if k == 1 else [*range(k - 1), n - 1]
 
 
-#: Rows from the end of ``X`` that :func:`_picks` compares with the first two.
+#: Rows from the end of ``X`` that :func:`_picks` compares with the rows checked before.
 _LAST_TRIES = 4
 
 
-def _picks(X: torch.Tensor) -> list[int]:
-    """:func:`check_samples` of ``X``, its last sample the last of the ``_LAST_TRIES``
-    rows from the end that is unlike both first ones. A copy of ``x0`` or ``x1`` ties with
-    it on every key: where ``X``'s last row repeats its first (a batch padded to a size by
-    wrapping around, a closed curve sampled end to end), ``x0, x1, xl`` held two samples,
-    and a sort by a key tying on ``x0, x1`` went unseen (the Gram 42-48% off; session
-    s55's review), which ``x2`` of the first three saw."""
-    picks = check_samples(X.shape[0])
-    firsts = picks[:-1]
-    if len(picks) == CHECK_SAMPLES and picks[-1] > CHECK_SAMPLES - 1:
-        for i in range(picks[-1], max(picks[-1] - _LAST_TRIES, len(firsts) - 1), -1):
-            if not any(torch.equal(X[i], X[j]) for j in firsts):
-                return [*firsts, i]
+def _picks(X: torch.Tensor, k: int = CHECK_SAMPLES,
+           before: torch.Tensor | None = None) -> list[int]:
+    """:func:`check_samples` of ``X`` (``k`` of them), its last sample the last of the
+    ``_LAST_TRIES`` rows from the end that is unlike every row checked before it: ``X``'s
+    first ``k - 1`` and the rows of ``before`` (a one-query cross check's query, checked
+    ahead of ``Y``'s rows). A copy of one of those ties with it on every key: where
+    ``X``'s last row repeats its first (a batch padded to a size by wrapping around, a
+    closed curve sampled end to end), ``x0, x1, xl`` held two samples, and a sort by a key
+    tying on ``x0, x1`` went unseen (tangent features 64-68% off; session s55's review),
+    which ``x2`` of the first three saw; so did ``x, y0, yl`` where ``yl`` repeats ``y0``
+    or is the query itself (a query from the training set; ``K(x, Y)`` 54-56% off, which
+    ``y1`` of ``Y``'s first two saw)."""
+    n = X.shape[0]
+    picks = check_samples(n, k)
+    if k < 2 or n <= k:
+        return picks
+    firsts = [X[j] for j in picks[:-1]] + ([] if before is None else list(before))
+    for i in range(n - 1, max(n - 1 - _LAST_TRIES, k - 2), -1):
+        if not any(torch.equal(X[i], row) for row in firsts):
+            return [*picks[:-1], i]
     return picks
 
 

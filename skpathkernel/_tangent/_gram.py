@@ -415,9 +415,9 @@ from ._capture import (
     CHECK_SAMPLES,
     Capture,
     _checked,
+    _picks,
     capture,
     check_per_sample,
-    check_samples,
     checked_capture,
     forward,
     plain_cnn_capture,
@@ -1259,15 +1259,15 @@ def _prepared(module, params, X, output, memory_budget, exclude=frozenset(), che
         # training set) checks rows of Y after X's: Y's blocks are batches that a forward
         # sorting its batch reorders (one row of X checked alone saw no sort, the Gram
         # 42% off; tests/test_tangent.py::test_a_cross_gram_of_one_query_checks_ys_rows).
-        # Y's first and last, as X's are taken (check_samples): Y's first rows may tie on
-        # a sort key.
+        # Y's first and last, as X's are taken (_picks: Y's first rows may tie on a sort
+        # key; its last unlike Y's first and the query).
         # Where those rows raise, the retry in order takes batches the Gram forms
         # (checked_capture's in_order), never X's rows and Y's in one: X's first two, or
         # Y's first two (the probe: a packed recurrent layer's rule takes a batch of one
         # that Y's blocks decline) and the query.
         checked, in_order = X, None
         if Y is not None and X.shape[0] < CHECK_SAMPLES and Y.device == X.device:
-            picks = check_samples(Y.shape[0], CHECK_SAMPLES - X.shape[0])
+            picks = _picks(Y, CHECK_SAMPLES - X.shape[0], before=X)
             checked = torch.cat([X, Y[picks]])
             in_order = [X[:2]] if X.shape[0] > 1 else [Y[:2], X]
         # The check's batched pass over the outputs in the eighth of the budget that

@@ -242,7 +242,7 @@ def test_raw_matrix_products_match_the_dense_jacobian(kind):
     for c in range(J.shape[1]):
         _close(tangent_gram(module, params, X, Y, output=c), full[:, c, :, c])
     _close(tangent_features(module, params, X, output="full"), J)
-    # The rule's own factors, without the autograd check on the first samples that would
+    # The rule's own factors, without the autograd check of a few samples that would
     # send a wrong site to the fallback (exact, but hiding the rule's error).
     _close(tangent_features(module, params, X, output="full", check_hidden=False), J)
 

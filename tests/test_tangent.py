@@ -1190,11 +1190,14 @@ def _sorted_by_score(descending):
 def test_a_batch_sorted_by_the_data_before_a_layer_falls_back_exactly(descending):
     # The first samples already in the sort's order: the two-row autograd check saw no
     # reordering, l1 kept its rule, and the Gram paired sorted rows with the samples
-    # (42-58% off). The check's cycle of rows x0, x1, x2, x0 is in no sorted order, so
-    # the sort moves one of them; so do its pairs, checked one at a time where the rows
-    # are wide for the budget (test_the_reordering_check_in_pairs_sees_a_sort).
+    # (42-58% off). The check's cycle of rows x0, x1, xl, x0 is in no sorted order, so
+    # the sort moves one of them (the features' check); so do its pairs, checked one at a
+    # time where the rows are wide for the budget
+    # (test_the_reordering_check_in_pairs_sees_a_sort). A symmetric Gram of these 9 rows
+    # checks all of them (_gram._own_check_rows).
     module, params, X = _sorted_by_score(descending)
     J = _loop_jacobian(module, params, X)
+    _close(tangent_features(module, params, X, output="full"), J)
     _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
     _close(tangent_gram(module, params, X, output="trace"),
            torch.einsum("ncp,mcp->nm", J, J) / 2)
@@ -1269,7 +1272,7 @@ def test_the_reordering_check_keeps_per_sample_networks_on_their_rules(make, sha
     _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
 
 
-def test_check_rows_close_a_cycle_of_the_first_samples():
+def test_check_rows_close_a_cycle_of_the_first_two_and_last_samples():
     X = torch.arange(5.0)[:, None]
 
     def rows(X, budget=2**20):

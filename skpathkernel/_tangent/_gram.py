@@ -467,7 +467,7 @@ ADD_ROWS = 256
 #: Whether a symmetric "full" block of dense rows takes the SYRK of its ``(n C, n C)``
 #: square and the other blocks one GEMM into theirs (session s53; the A/B's switch).
 FULL_SYRK = True
-#: Whether the autograd check of the first samples is one batched backward pass over the outputs
+#: Whether the autograd check of a few samples is one batched backward pass over the outputs
 #: where it fits an eighth of the budget (session s53; the A/B's switch).
 BATCHED_CHECK = True
 
@@ -1184,10 +1184,10 @@ def _own_check_rows(X: torch.Tensor, memory_budget: int) -> torch.Tensor | None:
     the cycle's length is that of another axis of ``X`` (see
     :func:`._capture.check_rows`: the capture tells the samples by their count).
 
-    A check of these rows is at least as strict as that of ``check_rows``' cycle of the
-    first three samples (for two or three rows it is that cycle): a closed cycle of all
-    the samples is in no monotone order unless all of them tie on a sort's key (three of
-    them before), and a forward pass that reorders only batches of more rows than
+    A check of these rows is at least as strict as that of ``check_rows``' cycle of
+    ``x0, x1, xl`` (for two or three rows it is that cycle): a closed cycle of all the
+    samples is in no monotone order unless all of them tie on a sort's key (those three
+    in ``check_rows``), and a forward pass that reorders only batches of more rows than
     three (``if len(x) > 3``) is checked on the very batch the Gram is computed from.
     """
     n = X.shape[0]
@@ -1328,7 +1328,7 @@ def hidden_reads(
 ) -> frozenset[str]:
     """Parameters to route to the fallback, checked at several points and samples.
 
-    Runs the use watch and the autograd check of the first samples (see
+    Runs the use watch and the autograd check of a few samples (see
     :func:`tangent_gram`'s ``check_hidden``) at every parameter point in ``points`` for
     each tensor in ``rows``. A path kernel or a decomposition checks the first, middle and
     last points of its path once, then calls the engine with ``exclude=`` this set and
@@ -1465,7 +1465,7 @@ def tangent_gram(
         Parameters whose layers must use the generic fallback. Layers with a parameter
         read outside their own call are found by every capture and added to these.
     check_hidden : bool, default=True
-        Run the autograd check of the first samples (:func:`._capture.check_rows`) for
+        Run the autograd check of a few samples (:func:`._capture.check_rows`) for
         reads that torch functions do not see (TorchScript, C++ extensions) and for a
         forward pass that reorders the samples before a rule layer. A caller evaluating
         many points of one path runs it once with :func:`hidden_reads` and passes the
@@ -1502,7 +1502,6 @@ def tangent_gram(
     weight = None if weight is None else _Weighted(weight)
     Y = X if Y is None else Y
     params_y = params if params_y is None else params_y
-    _check_y(X, Y)
     layout = _layout(params)
     n, m, n_out = X.shape[0], Y.shape[0], len(outputs)
     out_dtype = dtype if out_dtype is None else out_dtype
@@ -1548,7 +1547,7 @@ def _plain_mlp_gram(module, params, X, output, memory_budget, out_dtype):
 
     The same factors as the capture's, bit for bit, and the same symmetric panels, so
     the same K; what it leaves out is the capture's set-up for modules of any kind:
-    :func:`_prepare`'s probe capture and autograd check of the first samples (a module of
+    :func:`_prepare`'s probe capture and autograd check of a few samples (a module of
     these exact types, without hooks, reads its parameters only in its layers' own calls
     and keeps its rows in the samples' order), the use watch and the autograd graph, and
     the factors' fresh memory (one arena instead, :class:`._stacked.Arena`). Public call
@@ -2104,7 +2103,7 @@ def tangent_gram_diag(
         Parameters whose layers must use the generic fallback. Layers with a parameter
         read outside their own call are found by every capture and added to these.
     check_hidden : bool, default=True
-        Run the autograd check of the first samples (:func:`._capture.check_rows`) for
+        Run the autograd check of a few samples (:func:`._capture.check_rows`) for
         reads that torch functions do not see (TorchScript, C++ extensions) and for a
         forward pass that reorders the samples before a rule layer. A caller evaluating
         many points of one path runs it once with :func:`hidden_reads` and passes the
@@ -2243,7 +2242,7 @@ def tangent_features(
         Parameters whose layers must use the generic fallback. Layers with a parameter
         read outside their own call are found by every capture and added to these.
     check_hidden : bool, default=True
-        Run the autograd check of the first samples (:func:`._capture.check_rows`) for
+        Run the autograd check of a few samples (:func:`._capture.check_rows`) for
         reads that torch functions do not see (TorchScript, C++ extensions) and for a
         forward pass that reorders the samples before a rule layer. A caller evaluating
         many points of one path runs it once with :func:`hidden_reads` and passes the

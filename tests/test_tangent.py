@@ -1301,11 +1301,14 @@ def test_check_rows_close_a_cycle_of_the_first_two_and_last_samples():
 def test_the_reordering_check_in_pairs_sees_a_sort(descending, monkeypatch):
     # Rows too wide for the cycle's copies in the budget (made so by counting a billion
     # copies): the pairs, each captured and checked alone, still send l1 to the fallback
-    # (and the Gram is exact).
+    # (and the Gram is exact). Too wide for a small Gram's own rows alike: its check takes
+    # the pairs too (s55 re-read: _gram held its own copy of the count, and the Gram
+    # below was checked on all its rows, not on the pairs).
     monkeypatch.setattr(_capture, "_CHECK_COPIES", 10**9)
     module, params, X = _sorted_by_score(descending)
     budget = 2**20
     assert len(_capture.check_rows(X, budget)) == 3
+    assert _gram._own_check_rows(X, budget) is None
     assert "l1.weight" in _gram._prepare(module, params, X, "full", budget)[3].fallback
     J = _loop_jacobian(module, params, X)
     _close(tangent_gram(module, params, X, output="full", memory_budget=budget),

@@ -1639,9 +1639,16 @@ def check_rows(X: torch.Tensor, memory_budget: int) -> Sequence[torch.Tensor]:
     length = k + 1
     while length in X.shape[1:]:
         length += 1
-    if _CHECK_COPIES * length * X[0].numel() * X.element_size() <= memory_budget // 8:
+    if _copies_fit(X, length, memory_budget):
         return [X[[picks[i % k] for i in range(length)]]]
     return _CyclePairs(X, picks)
+
+
+def _copies_fit(X: torch.Tensor, rows: int, memory_budget: int) -> bool:
+    """Whether the check's copies of ``rows`` rows like ``X``'s (:data:`_CHECK_COPIES`)
+    fit an eighth of ``memory_budget``, as its groups of rows must (:func:`check_rows`,
+    ``._gram._own_check_rows``)."""
+    return _CHECK_COPIES * rows * X[0].numel() * X.element_size() <= memory_budget // 8
 
 
 class _CyclePairs(Sequence):

@@ -385,14 +385,14 @@ kernel's steps) its probe capture is of X's rows; any call whose checked rows be
 ``X`` (one query against a training set) reuses them alike. More rows than the check's
 four are captured before the block plan only where a capture of ``x0`` says they fit
 the budget (:func:`_unplanned_fits`, one capture more; the review of session s55): the
-gains below at N = 5-16 are then smaller. A capture whose outputs' site gradients are
-small takes them by one batched backward pass
+gains below at N = 4-16 are then mostly gone (about even with before). A capture whose
+outputs' site gradients are small takes them by one batched backward pass
 (:func:`._capture._small_pass`) instead of one per output. K the same bits as before on
 the benchmark's MLP, CNN and U-Net (6e-8 of the largest entry on the MLP's one row); the
-public call 1.0-2.6x as fast (a path kernel's of 8 steps 1.15-2.75x), still behind
-torch.func's ``vmap(jacrev)`` on the CNN and the U-Net at N <= 64 and the MLP at N = 1,
-where the check's backward pass over the outputs (with every parameter's gradient) is
-now the largest cost.
+public call 1.0-2.6x as fast (a path kernel's of 8 steps 1.15-2.75x on the CNN and the
+U-Net), still behind torch.func's ``vmap(jacrev)`` on the CNN at N <= 64, the U-Net at
+N <= 32 and the MLP at N = 1, where the check's backward pass over the outputs (with
+every parameter's gradient) is now the largest cost.
 
 ``X`` is what the module takes, ``(n_samples, ...)``: float features, images, sequences,
 or integer token ids; kernels and features have the parameters' dtype.
@@ -411,10 +411,10 @@ import torch
 from .._memory import large_tensor, rows_per_block
 from .._modules import module_lock
 from ._capture import (
-    _CHECK_COPIES,
     CHECK_SAMPLES,
     Capture,
     _checked,
+    _copies_fit,
     _picks,
     capture,
     check_per_sample,
@@ -1195,7 +1195,7 @@ def _own_check_rows(X: torch.Tensor, memory_budget: int) -> torch.Tensor | None:
         return X
     if n > OWN_CHECK_ROWS or n + 1 in X.shape[1:]:
         return None
-    if _CHECK_COPIES * (n + 1) * X[0].numel() * X.element_size() > memory_budget // 8:
+    if not _copies_fit(X, n + 1, memory_budget):
         return None
     return torch.cat([X, X[:1]])
 

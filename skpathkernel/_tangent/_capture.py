@@ -1614,7 +1614,7 @@ def _picks(X: torch.Tensor, k: int = CHECK_SAMPLES,
 def check_rows(X: torch.Tensor, memory_budget: int) -> Sequence[torch.Tensor]:
     """The groups of rows :func:`_numerical_misfits` checks, each with a capture of its
     own: a cycle of the ``CHECK_SAMPLES`` samples of :func:`_picks` (the first two and
-    the last of ``X``, or a later row unlike the first two) and the first again (``x0,
+    the last of ``X``, or a row just before it unlike the first two) and the first again (``x0,
     x1, xl, x0``; ``x0, x1, x0`` for two; longer, ``x0, x1, xl, x0, x1``, where X has an
     axis of that length), or, where its copies of the rows do not fit an eighth of
     ``memory_budget`` (wide inputs: the probe of two rows was already the peak of a call

@@ -552,7 +552,7 @@ class _RowsReversed(nn.LayerNorm):
 ])
 def test_layer_norm_overrides_the_rule_cannot_read_fall_back(norm, why):
     # Each would make the rule's factors wrong; the capture sends them to the exact
-    # fallback (the reversed rows through the autograd check of the first samples).
+    # fallback (the reversed rows through the autograd check of a few samples).
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(3, 4), norm(4), nn.Tanh(), nn.Linear(4, 2)).double()
     X = torch.randn(5, 3, dtype=torch.float64)

@@ -129,15 +129,16 @@ def test_a_one_query_cross_gram_reuses_the_checked_capture_of_its_row():
 
 
 def test_a_small_gram_checks_all_its_rows():
-    # A sort whose key ties on the first three samples leaves check_rows' cycle
-    # x0, x1, x2, x0 in place: l1 kept its rule and the Gram paired sorted rows with the
-    # samples. The check of the Gram's own rows x0..x7, x0 sees the sort: l1 goes to the
-    # fallback, the Gram is the loop's.
+    # A sort whose key ties on the first two and the last samples leaves check_rows'
+    # cycle x0, x1, x7, x0 in place: l1 kept its rule and the Gram paired sorted rows with
+    # the samples (49% off with OWN_CHECK_ROWS = 0). The check of the Gram's own rows
+    # x0..x7, x0 sees the sort: l1 goes to the fallback, the Gram is the loop's.
     torch.manual_seed(0)
     module = _SortedBy().double()
     params = {k: v.detach() for k, v in module.named_parameters()}
     X = torch.randn(8, 3, dtype=torch.float64)
-    X[:, 0] = torch.tensor([5.0, 5, 5, 2, 8, 1, 9, 3], dtype=torch.float64)
+    X[:, 0] = torch.tensor([5.0, 5, 2, 8, 1, 9, 3, 5], dtype=torch.float64)
+    assert _capture.check_rows(X, 2**30)[0][:, 0].tolist() == [5.0, 5, 5, 5]
     _close(tangent_gram(module, params, X), _reference_gram(module, params, X))
     probe = _gram._prepared(module, params, X, "trace", 2**30, own=True)[3]
     assert "l1.weight" in probe.fallback

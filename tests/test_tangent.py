@@ -1190,11 +1190,14 @@ def _sorted_by_score(descending):
 def test_a_batch_sorted_by_the_data_before_a_layer_falls_back_exactly(descending):
     # The first samples already in the sort's order: the two-row autograd check saw no
     # reordering, l1 kept its rule, and the Gram paired sorted rows with the samples
-    # (42-58% off). The check's cycle of rows x0, x1, x2, x0 is in no sorted order, so
-    # the sort moves one of them; so do its pairs, checked one at a time where the rows
-    # are wide for the budget (test_the_reordering_check_in_pairs_sees_a_sort).
+    # (42-58% off). The check's cycle of rows x0, x1, xl, x0 is in no sorted order, so
+    # the sort moves one of them (the features' check); so do its pairs, checked one at a
+    # time where the rows are wide for the budget
+    # (test_the_reordering_check_in_pairs_sees_a_sort). A symmetric Gram of these 9 rows
+    # checks all of them (_gram._own_check_rows).
     module, params, X = _sorted_by_score(descending)
     J = _loop_jacobian(module, params, X)
+    _close(tangent_features(module, params, X, output="full"), J)
     _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
     _close(tangent_gram(module, params, X, output="trace"),
            torch.einsum("ncp,mcp->nm", J, J) / 2)
@@ -1269,7 +1272,7 @@ def test_the_reordering_check_keeps_per_sample_networks_on_their_rules(make, sha
     _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
 
 
-def test_check_rows_close_a_cycle_of_the_first_samples():
+def test_check_rows_close_a_cycle_of_the_first_two_and_last_samples():
     X = torch.arange(5.0)[:, None]
 
     def rows(X, budget=2**20):
@@ -1298,11 +1301,14 @@ def test_check_rows_close_a_cycle_of_the_first_samples():
 def test_the_reordering_check_in_pairs_sees_a_sort(descending, monkeypatch):
     # Rows too wide for the cycle's copies in the budget (made so by counting a billion
     # copies): the pairs, each captured and checked alone, still send l1 to the fallback
-    # (and the Gram is exact).
+    # (and the Gram is exact). Too wide for a small Gram's own rows alike: its check takes
+    # the pairs too (s55 re-read: _gram held its own copy of the count, and the Gram
+    # below was checked on all its rows, not on the pairs).
     monkeypatch.setattr(_capture, "_CHECK_COPIES", 10**9)
     module, params, X = _sorted_by_score(descending)
     budget = 2**20
     assert len(_capture.check_rows(X, budget)) == 3
+    assert _gram._own_check_rows(X, budget) is None
     assert "l1.weight" in _gram._prepare(module, params, X, "full", budget)[3].fallback
     J = _loop_jacobian(module, params, X)
     _close(tangent_gram(module, params, X, output="full", memory_budget=budget),
@@ -1362,6 +1368,25 @@ def test_the_check_takes_a_last_sample_unlike_the_first_two(repeated, descending
                                                                   "l2": "rule"}
     assert [g[:, 0].tolist() for g in _capture.check_rows(X[:, :1], 2**20)] == [
         [X[i, 0].item() for i in (0, 1, 7, 0)]]
+
+
+@pytest.mark.parametrize("descending", [True, False])
+@pytest.mark.parametrize("repeated", ["y0", "query"])
+def test_a_one_query_check_takes_a_last_y_unlike_the_query_and_y0(repeated, descending):
+    # K(x, Y) checks x, y0, yl: where Y's last row repeats y0 (wrap-around padding) or is
+    # the query itself (a query from the training set), the check held two samples, tied
+    # on a key on which x and y0 tie, and l1 kept its rule (54-56% off; y1 of the first
+    # two saw the sort on c4c39914). The check takes Y's row before it.
+    module, params, Y = _sorted_by_score(descending)
+    Y[:, 0] = torch.tensor([5, 1, 7, 2, 8, 3, 6, 4, 5], dtype=Y.dtype) * (
+        1 if descending else -1)
+    x = Y[:1].clone()
+    x[0, 1:] = torch.tensor([0.3, -0.7], dtype=Y.dtype)  # unlike y0, tied on the key
+    Y[-1] = Y[0] if repeated == "y0" else x[0]
+    J, Jx = _loop_jacobian(module, params, Y), _loop_jacobian(module, params, x)
+    _close(tangent_gram(module, params, x, Y, output="full"),
+           torch.einsum("ncp,mdp->ncmd", Jx, J))
+    assert _capture._picks(Y, 2, before=x) == [0, 7]
 
 
 def test_a_cross_gram_refuses_y_of_another_shape_before_any_work():

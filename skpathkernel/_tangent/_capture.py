@@ -597,7 +597,9 @@ class _UseWatch(TorchFunctionMode):
             else:
                 out, ((a, z),) = run
                 self.free_products.append((rule, names, Use(func, args, kwargs, (a,)), (z,)))
-                if out is z or out._base is z:  # z, or z viewed as flattened rows
+                # z, or z viewed as flattened rows; z may itself be a view (F.linear with a
+                # bias on (n, s, d) rows views addmm's output), whose views share its base.
+                if out is z or out._base is (z._base if z._is_view() else z):
                     return self._hand_on(z).view(out.shape)
                 return out  # the expand's own copy
         out = func(*args, **kwargs)
@@ -1582,30 +1584,37 @@ def check_samples(n: int, k: int = CHECK_SAMPLES) -> list[int]:
     return [0] if k == 1 else [*range(k - 1), n - 1]
 
 
-#: Rows from the end of ``X`` that :func:`_picks` compares with the first two.
+#: Rows from the end of ``X`` that :func:`_picks` compares with the rows checked before.
 _LAST_TRIES = 4
 
 
-def _picks(X: torch.Tensor) -> list[int]:
-    """:func:`check_samples` of ``X``, its last sample the last of the ``_LAST_TRIES``
-    rows from the end that is unlike both first ones. A copy of ``x0`` or ``x1`` ties with
-    it on every key: where ``X``'s last row repeats its first (a batch padded to a size by
-    wrapping around, a closed curve sampled end to end), ``x0, x1, xl`` held two samples,
-    and a sort by a key tying on ``x0, x1`` went unseen (the Gram 42-52% off; session
-    s55's review), which ``x2`` of the first three saw."""
-    picks = check_samples(X.shape[0])
-    firsts = picks[:-1]
-    if len(picks) == CHECK_SAMPLES and picks[-1] > CHECK_SAMPLES - 1:
-        for i in range(picks[-1], max(picks[-1] - _LAST_TRIES, len(firsts) - 1), -1):
-            if not any(torch.equal(X[i], X[j]) for j in firsts):
-                return [*firsts, i]
+def _picks(X: torch.Tensor, k: int = CHECK_SAMPLES,
+           before: torch.Tensor | None = None) -> list[int]:
+    """:func:`check_samples` of ``X`` (``k`` of them), its last sample the last of the
+    ``_LAST_TRIES`` rows from the end that is unlike every row checked before it: ``X``'s
+    first ``k - 1`` and the rows of ``before`` (a one-query cross check's query, checked
+    ahead of ``Y``'s rows). A copy of one of those ties with it on every key: where
+    ``X``'s last row repeats its first (a batch padded to a size by wrapping around, a
+    closed curve sampled end to end), ``x0, x1, xl`` held two samples, and a sort by a key
+    tying on ``x0, x1`` went unseen (tangent features 64-68% off; session s55's review),
+    which ``x2`` of the first three saw; so did ``x, y0, yl`` where ``yl`` repeats ``y0``
+    or is the query itself (a query from the training set; ``K(x, Y)`` 54-56% off, which
+    ``y1`` of ``Y``'s first two saw)."""
+    n = X.shape[0]
+    picks = check_samples(n, k)
+    if k < 2 or n <= k:
+        return picks
+    firsts = [X[j] for j in picks[:-1]] + ([] if before is None else list(before))
+    for i in range(n - 1, max(n - 1 - _LAST_TRIES, k - 2), -1):
+        if not any(torch.equal(X[i], row) for row in firsts):
+            return [*picks[:-1], i]
     return picks
 
 
 def check_rows(X: torch.Tensor, memory_budget: int) -> Sequence[torch.Tensor]:
     """The groups of rows :func:`_numerical_misfits` checks, each with a capture of its
     own: a cycle of the ``CHECK_SAMPLES`` samples of :func:`_picks` (the first two and
-    the last of ``X``, or a later row unlike the first two) and the first again (``x0,
+    the last of ``X``, or a row just before it unlike the first two) and the first again (``x0,
     x1, xl, x0``; ``x0, x1, x0`` for two; longer, ``x0, x1, xl, x0, x1``, where X has an
     axis of that length), or, where its copies of the rows do not fit an eighth of
     ``memory_budget`` (wide inputs: the probe of two rows was already the peak of a call
@@ -1630,9 +1639,16 @@ def check_rows(X: torch.Tensor, memory_budget: int) -> Sequence[torch.Tensor]:
     length = k + 1
     while length in X.shape[1:]:
         length += 1
-    if _CHECK_COPIES * length * X[0].numel() * X.element_size() <= memory_budget // 8:
+    if _copies_fit(X, length, memory_budget):
         return [X[[picks[i % k] for i in range(length)]]]
     return _CyclePairs(X, picks)
+
+
+def _copies_fit(X: torch.Tensor, rows: int, memory_budget: int) -> bool:
+    """Whether the check's copies of ``rows`` rows like ``X``'s (:data:`_CHECK_COPIES`)
+    fit an eighth of ``memory_budget``, as its groups of rows must (:func:`check_rows`,
+    ``._gram._own_check_rows``)."""
+    return _CHECK_COPIES * rows * X[0].numel() * X.element_size() <= memory_budget // 8
 
 
 class _CyclePairs(Sequence):

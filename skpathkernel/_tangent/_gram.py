@@ -385,14 +385,14 @@ kernel's steps) its probe capture is of X's rows; any call whose checked rows be
 ``X`` (one query against a training set) reuses them alike. More rows than the check's
 four are captured before the block plan only where a capture of ``x0`` says they fit
 the budget (:func:`_unplanned_fits`, one capture more; the review of session s55): the
-gains below at N = 5-16 are then smaller. A capture whose outputs' site gradients are
-small takes them by one batched backward pass
+gains below at N = 4-16 are then mostly gone (about even with before). A capture whose
+outputs' site gradients are small takes them by one batched backward pass
 (:func:`._capture._small_pass`) instead of one per output. K the same bits as before on
 the benchmark's MLP, CNN and U-Net (6e-8 of the largest entry on the MLP's one row); the
-public call 1.0-2.6x as fast (a path kernel's of 8 steps 1.15-2.75x), still behind
-torch.func's ``vmap(jacrev)`` on the CNN and the U-Net at N <= 64 and the MLP at N = 1,
-where the check's backward pass over the outputs (with every parameter's gradient) is
-now the largest cost.
+public call 1.0-2.6x as fast (a path kernel's of 8 steps 1.15-2.75x on the CNN and the
+U-Net), still behind torch.func's ``vmap(jacrev)`` on the CNN at N <= 64, the U-Net at
+N <= 32 and the MLP at N = 1, where the check's backward pass over the outputs (with
+every parameter's gradient) is now the largest cost.
 
 ``X`` is what the module takes, ``(n_samples, ...)``: float features, images, sequences,
 or integer token ids; kernels and features have the parameters' dtype.
@@ -411,13 +411,13 @@ import torch
 from .._memory import large_tensor, rows_per_block
 from .._modules import module_lock
 from ._capture import (
-    _CHECK_COPIES,
     CHECK_SAMPLES,
     Capture,
     _checked,
+    _copies_fit,
+    _picks,
     capture,
     check_per_sample,
-    check_samples,
     checked_capture,
     forward,
     plain_cnn_capture,
@@ -467,7 +467,7 @@ ADD_ROWS = 256
 #: Whether a symmetric "full" block of dense rows takes the SYRK of its ``(n C, n C)``
 #: square and the other blocks one GEMM into theirs (session s53; the A/B's switch).
 FULL_SYRK = True
-#: Whether the autograd check of the first samples is one batched backward pass over the outputs
+#: Whether the autograd check of a few samples is one batched backward pass over the outputs
 #: where it fits an eighth of the budget (session s53; the A/B's switch).
 BATCHED_CHECK = True
 
@@ -1184,10 +1184,10 @@ def _own_check_rows(X: torch.Tensor, memory_budget: int) -> torch.Tensor | None:
     the cycle's length is that of another axis of ``X`` (see
     :func:`._capture.check_rows`: the capture tells the samples by their count).
 
-    A check of these rows is at least as strict as that of ``check_rows``' cycle of the
-    first three samples (for two or three rows it is that cycle): a closed cycle of all
-    the samples is in no monotone order unless all of them tie on a sort's key (three of
-    them before), and a forward pass that reorders only batches of more rows than
+    A check of these rows is at least as strict as that of ``check_rows``' cycle of
+    ``x0, x1, xl`` (for two or three rows it is that cycle): a closed cycle of all the
+    samples is in no monotone order unless all of them tie on a sort's key (those three
+    in ``check_rows``), and a forward pass that reorders only batches of more rows than
     three (``if len(x) > 3``) is checked on the very batch the Gram is computed from.
     """
     n = X.shape[0]
@@ -1195,7 +1195,7 @@ def _own_check_rows(X: torch.Tensor, memory_budget: int) -> torch.Tensor | None:
         return X
     if n > OWN_CHECK_ROWS or n + 1 in X.shape[1:]:
         return None
-    if _CHECK_COPIES * (n + 1) * X[0].numel() * X.element_size() > memory_budget // 8:
+    if not _copies_fit(X, n + 1, memory_budget):
         return None
     return torch.cat([X, X[:1]])
 
@@ -1259,15 +1259,15 @@ def _prepared(module, params, X, output, memory_budget, exclude=frozenset(), che
         # training set) checks rows of Y after X's: Y's blocks are batches that a forward
         # sorting its batch reorders (one row of X checked alone saw no sort, the Gram
         # 42% off; tests/test_tangent.py::test_a_cross_gram_of_one_query_checks_ys_rows).
-        # Y's first and last, as X's are taken (check_samples): Y's first rows may tie on
-        # a sort key.
+        # Y's first and last, as X's are taken (_picks: Y's first rows may tie on a sort
+        # key; its last unlike Y's first and the query).
         # Where those rows raise, the retry in order takes batches the Gram forms
         # (checked_capture's in_order), never X's rows and Y's in one: X's first two, or
         # Y's first two (the probe: a packed recurrent layer's rule takes a batch of one
         # that Y's blocks decline) and the query.
         checked, in_order = X, None
         if Y is not None and X.shape[0] < CHECK_SAMPLES and Y.device == X.device:
-            picks = check_samples(Y.shape[0], CHECK_SAMPLES - X.shape[0])
+            picks = _picks(Y, CHECK_SAMPLES - X.shape[0], before=X)
             checked = torch.cat([X, Y[picks]])
             in_order = [X[:2]] if X.shape[0] > 1 else [Y[:2], X]
         # The check's batched pass over the outputs in the eighth of the budget that
@@ -1328,7 +1328,7 @@ def hidden_reads(
 ) -> frozenset[str]:
     """Parameters to route to the fallback, checked at several points and samples.
 
-    Runs the use watch and the autograd check of the first samples (see
+    Runs the use watch and the autograd check of a few samples (see
     :func:`tangent_gram`'s ``check_hidden``) at every parameter point in ``points`` for
     each tensor in ``rows``. A path kernel or a decomposition checks the first, middle and
     last points of its path once, then calls the engine with ``exclude=`` this set and
@@ -1465,7 +1465,7 @@ def tangent_gram(
         Parameters whose layers must use the generic fallback. Layers with a parameter
         read outside their own call are found by every capture and added to these.
     check_hidden : bool, default=True
-        Run the autograd check of the first samples (:func:`._capture.check_rows`) for
+        Run the autograd check of a few samples (:func:`._capture.check_rows`) for
         reads that torch functions do not see (TorchScript, C++ extensions) and for a
         forward pass that reorders the samples before a rule layer. A caller evaluating
         many points of one path runs it once with :func:`hidden_reads` and passes the
@@ -1502,7 +1502,6 @@ def tangent_gram(
     weight = None if weight is None else _Weighted(weight)
     Y = X if Y is None else Y
     params_y = params if params_y is None else params_y
-    _check_y(X, Y)
     layout = _layout(params)
     n, m, n_out = X.shape[0], Y.shape[0], len(outputs)
     out_dtype = dtype if out_dtype is None else out_dtype
@@ -1548,7 +1547,7 @@ def _plain_mlp_gram(module, params, X, output, memory_budget, out_dtype):
 
     The same factors as the capture's, bit for bit, and the same symmetric panels, so
     the same K; what it leaves out is the capture's set-up for modules of any kind:
-    :func:`_prepare`'s probe capture and autograd check of the first samples (a module of
+    :func:`_prepare`'s probe capture and autograd check of a few samples (a module of
     these exact types, without hooks, reads its parameters only in its layers' own calls
     and keeps its rows in the samples' order), the use watch and the autograd graph, and
     the factors' fresh memory (one arena instead, :class:`._stacked.Arena`). Public call
@@ -2104,7 +2103,7 @@ def tangent_gram_diag(
         Parameters whose layers must use the generic fallback. Layers with a parameter
         read outside their own call are found by every capture and added to these.
     check_hidden : bool, default=True
-        Run the autograd check of the first samples (:func:`._capture.check_rows`) for
+        Run the autograd check of a few samples (:func:`._capture.check_rows`) for
         reads that torch functions do not see (TorchScript, C++ extensions) and for a
         forward pass that reorders the samples before a rule layer. A caller evaluating
         many points of one path runs it once with :func:`hidden_reads` and passes the
@@ -2243,7 +2242,7 @@ def tangent_features(
         Parameters whose layers must use the generic fallback. Layers with a parameter
         read outside their own call are found by every capture and added to these.
     check_hidden : bool, default=True
-        Run the autograd check of the first samples (:func:`._capture.check_rows`) for
+        Run the autograd check of a few samples (:func:`._capture.check_rows`) for
         reads that torch functions do not see (TorchScript, C++ extensions) and for a
         forward pass that reorders the samples before a rule layer. A caller evaluating
         many points of one path runs it once with :func:`hidden_reads` and passes the

@@ -57,8 +57,8 @@ is the samples, :func:`._layers._samples_first`): rows kept flat through an elem
 (``torch.tanh(x.view(-1, d)) @ W``), or flattened by a copy (``x.mT.reshape(-1, d)``),
 have no such base, and the product falls back (``NOT_SAMPLES``). Their number alone,
 ``n * s``, does not say which sample a row is of (``x.transpose(0, 1).reshape(-1, d)``
-has as many), and the autograd check of the first samples cannot tell the orders apart
-on one sample.
+has as many), and the autograd check cannot tell the orders apart on a call of one
+sample.
 
 A free parameter read in any other way (a view of a view included; ``P @ x``, a batched
 ``P``, ``torch.einsum``, a slice of ``P`` read by a product), under disabled grad, or not

@@ -86,7 +86,7 @@ def project_tangent_features(
         Parameters whose layers must use the generic fallback. Layers with a parameter
         read outside their own call are found by every capture and added to these.
     check_hidden : bool, default=True
-        Run the autograd check of the first samples (:func:`._capture.check_rows`) for
+        Run the autograd check of a few samples (:func:`._capture.check_rows`) for
         reads that torch functions do not see (TorchScript, C++ extensions) and for a
         forward pass that reorders the samples before a rule layer. A caller evaluating
         many points of one path runs it once with :func:`~._gram.hidden_reads` and passes

@@ -36,7 +36,7 @@ FALLBACK_SHARE = 0.1
 LOOPS = ("torch.func cannot batch this network's forward, so the fallback differentiates "
          "it one sample and output at a time, a backward pass of the whole network each, "
          "however few parameters it holds")
-DISAGREE = ("its factors disagree with autograd on the first samples (a wrong rule, a "
+DISAGREE = ("its factors disagree with autograd on a few samples (a wrong rule, a "
             "parameter read where torch functions do not see it, or a forward pass that "
             "reorders the samples before the layer, such as a sort of the batch by the "
             "data, or mixes them after it)")

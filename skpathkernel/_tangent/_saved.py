@@ -4,7 +4,7 @@
 operation whose derivative reads its output, or an input another operation rewrites)
 computes a well-defined function, but autograd refuses its backward pass ("modified by
 an inplace operation"). The engine's forward passes whose graphs it differentiates (the
-capture, the autograd check of the first samples, the fallback's loop) run under
+capture, the autograd check of a few samples, the fallback's loop) run under
 :class:`SavedWatch`, and again with the saved tensors copy-on-write where one was
 rewritten: the derivative of the function the network computes, as it would be with
 every in-place operation out of place.

@@ -561,11 +561,23 @@ def test_auto_record_every_keeps_the_path_under_memory_budget(regression_data):
     for i, step in enumerate(traj.steps):
         assert torch.equal(traj.parameters(i), full.trajectory_.parameters(int(step)))
     # Points that are not consecutive steps: the steps between them are replayed from
-    # the record, and the split is the every-step path's (float32: to its round-off),
-    # silently.
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    # the record, and the split is the every-step path's (float32: to its round-off).
+    # The replay says nothing. memory_budget, nearly all held by the record, also limits
+    # the quadrature's nodes (7 for two queries): some relu steps of the replayed path
+    # need 8-10 (one query per call, limit higher: no warning) and miss their share of
+    # tol there by a residual of ~1e-9, on some hosts (AVX2: measured 6 of 120 steps;
+    # AVX-512: none). A true miss, so allowed only as the warning that says the budget
+    # limited exactly the steps that failed, and the sum is still checked below.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         res = est.decompose(X[:2])
+    for w in caught:
+        message = str(w.message)
+        assert issubclass(w.category, ConvergenceWarning), message
+        failed = re.search(r"steps (\d+ \(residual.*?)\.(?: |$)", message)
+        capped = re.search(r"memory_budget limited the nodes of steps (.*?) to fewer", message)
+        assert failed and capped, message
+        assert re.sub(r" \(residual [^)]*\)", "", failed[1]) == capped[1], message
     exact = full.decompose(X[:2])
     assert res.replay_error < 1e-5  # measured 1e-6: float32 round-off
     assert res.error < 1e-5 * np.abs(res.prediction).max()

@@ -2021,7 +2021,7 @@ class RecordedNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributes
 
         Returns
         -------
-        phi : ndarray of shape (n_samples, n_params_) or (n_samples, n_outputs * n_params_)
+        phi : ndarray of shape (n_samples, `n_params_`) or (n_samples, n_outputs * `n_params_`)
             One row per sample, columns in ``trajectory_`` flat order, in the network's
             dtype. For several outputs, the flattened Jacobian divided by
             ``sqrt(n_outputs)``, whose inner products are the trace kernel.

@@ -43,7 +43,7 @@ from ._analysis._unrolled import AttributionScores
 from ._estimators._base import BasePathKernelNetwork, _encode_like_fit
 from ._estimators._meta import NetworkMetaEstimator
 from ._modules import copy_module
-from ._network._trained import network_of, pipeline_last_step, with_last_step
+from ._network._trained import _followed, network_of, pipeline_last_step, with_last_step
 from ._parallel import limit_torch_threads
 from ._path._recorder import RecordedNetwork
 from ._path._training import (
@@ -760,7 +760,13 @@ def _check_replayable(estimator, X, y) -> None:
     labels, another task) would be replaced by them without a word.
     """
     X_given = X
+    # A meta-estimator on the way (a pipeline's last step, or one reading a pipeline of
+    # its own, which the resolver follows into it) is refused as one given alone.
+    meta = next((step for step in _followed(estimator)
+                 if isinstance(step, NetworkMetaEstimator)), None)
     resolved, X = pipeline_last_step(estimator, X)
+    if meta is not None:
+        resolved = meta
     if resolved is estimator and (isinstance(estimator, Pipeline)
                                   or hasattr(estimator, "cv_results_")):
         # Not followed: unfitted (NotFittedError), or a wrapper whose network saw other

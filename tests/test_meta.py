@@ -20,6 +20,7 @@ from _reference import features_loop, module_at, own_loop
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.base import clone
 from sklearn.calibration import CalibratedClassifierCV
+from sklearn.compose import TransformedTargetRegressor
 from sklearn.datasets import make_multilabel_classification
 from sklearn.ensemble import BaggingRegressor
 from sklearn.exceptions import NotFittedError, UnsetMetadataPassedError
@@ -28,6 +29,8 @@ from sklearn.linear_model import LogisticRegression, Ridge
 from sklearn.model_selection import GridSearchCV, KFold, cross_validate
 from sklearn.multioutput import MultiOutputRegressor
 from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+from sklearn.svm import SVC
 from sklearn.utils import get_tags
 from sklearn.utils.multiclass import type_of_target
 
@@ -41,6 +44,7 @@ from skpathkernel import (
     TangentKernel,
 )
 from skpathkernel.datasets import make_circle
+from skpathkernel.metrics import retrain_on_subsets
 
 SMALL = dict(hidden_layer_sizes=(8,), solver="adam", learning_rate_init=0.02, max_iter=20,
              tol=None, dtype="float64", random_state=0)
@@ -627,3 +631,302 @@ def test_a_recorder_or_its_network_is_refused_naming_as_estimator(cls):
         with pytest.raises(TypeError, match=r"got TrainedNetwork: pass the estimator "
                                             r".*recorder\.as_estimator"):
             cls(network).fit(X, y)
+
+
+# ------------------------------------------------------------ a pipeline as estimator
+# The meta-estimators read the network of a fitted Pipeline (or a refitted search) in a
+# FrozenEstimator as the kernels do (pipeline_last_step): its last step's network, on X
+# through the steps before it. An unfrozen Pipeline is cloned and fitted, as by
+# scikit-learn's meta-estimators. The references transform X by hand (mean and standard
+# deviation from NumPy) and differentiate the network sample by sample (features_loop).
+
+def _scaled_data(circle):
+    X, y = circle
+    # Unit-free inputs would make the scaler nearly the identity.
+    return X * [3.0, 0.5] + [1.0, -2.0], y
+
+
+def _by_hand(X_train, X):
+    return (X - X_train.mean(axis=0)) / X_train.std(axis=0)
+
+
+def _final(est):
+    return est.trajectory_.parameters(-1).numpy()
+
+
+def _unit(phi):
+    return phi / np.sqrt((phi**2).sum(axis=1, keepdims=True))
+
+
+def _fitted_wrappers(X, y):
+    """Fitted wrappers of a scaler and a trainer: ``(name, wrapper, trainer)``."""
+    pipe = make_pipeline(StandardScaler(), PathKernelClassifier(**SMALL)).fit(X, y)
+    search = GridSearchCV(make_pipeline(StandardScaler(), PathKernelClassifier(**SMALL)),
+                          {"pathkernelclassifier__alpha": [1e-4, 1.0]}, cv=2).fit(X, y)
+    # Frozen inside and out, and nested: followed in any order.
+    nested = make_pipeline(StandardScaler(),
+                           make_pipeline(FrozenEstimator(pipe[-1]))).fit(X, y)
+    return [("pipeline", pipe, pipe[-1]),
+            ("search", search, search.best_estimator_[-1]),
+            ("nested", nested, pipe[-1])]
+
+
+@pytest.mark.parametrize("kind", ["pipeline", "search", "nested"])
+def test_tangent_features_of_a_frozen_pipeline_are_the_last_steps_at_the_scaled_x(
+        circle, kind):
+    X, y = _scaled_data(circle)
+    _, wrapper, clf = next(w for w in _fitted_wrappers(X, y) if w[0] == kind)
+    traj = clf.trajectory_
+    est = TangentFeatures(FrozenEstimator(wrapper)).fit(X, y)
+    # Nothing was fitted: the same fitted wrapper and network.
+    assert est.estimator_ is wrapper and clf.trajectory_ is traj
+    assert est.network_.trajectory is traj and est.n_params_ == clf.n_params_
+    assert est.task_ == "classification"
+    np.testing.assert_array_equal(est.classes_, [-1, 1])
+    Xq = X[:7] * 1.3
+    expected = features_loop(module_at(clf), _by_hand(X, Xq))
+    np.testing.assert_allclose(est.transform(Xq), expected, rtol=1e-9, atol=1e-12)
+    # The span's points are X as the network takes it.
+    np.testing.assert_allclose(est.X_fit_, _by_hand(X, X), rtol=1e-12, atol=1e-12)
+    assert est.n_features_in_ == 2 and est.input_shape_ == (2,)
+    # The kernels of the meta-estimator take its X too (they follow it into the pipeline).
+    np.testing.assert_allclose(est.tangent_kernel_(Xq), expected @ expected.T, rtol=1e-9,
+                               atol=1e-12)
+    # No y needed: an unsupervised use of a fitted network.
+    np.testing.assert_allclose(TangentFeatures(FrozenEstimator(wrapper)).fit_transform(X),
+                               features_loop(module_at(clf), _by_hand(X, X)), rtol=1e-9,
+                               atol=1e-12)
+
+
+def test_everything_tangent_features_exposes_follows_a_frozen_pipeline(circle):
+    pd = pytest.importorskip("pandas")
+    X, y = _scaled_data(circle)
+    df = pd.DataFrame(X, columns=["a", "b"])
+    pipe = make_pipeline(StandardScaler(), PathKernelClassifier(**SMALL)).fit(df, y)
+    clf = pipe[-1]
+    est = TangentFeatures(FrozenEstimator(pipe), n_components=5, random_state=3).fit(df)
+    np.testing.assert_array_equal(est.feature_names_in_, ["a", "b"])
+    # The projection is the bare network's at the scaled inputs (the same seed).
+    bare = TangentFeatures(FrozenEstimator(clf), n_components=5, random_state=3).fit(
+        _by_hand(X, X))
+    np.testing.assert_allclose(est.transform(df[:6]), bare.transform(_by_hand(X, X[:6])),
+                               rtol=1e-9, atol=1e-12)
+    assert est.get_feature_names_out().tolist() == [f"tangentfeatures{k}" for k in range(5)]
+    # Exact features: the parameters' names, and a DataFrame out with set_output.
+    est = TangentFeatures(FrozenEstimator(pipe)).set_output(transform="pandas").fit(df)
+    out = est.transform(df[:4])
+    assert list(out.columns) == clf.get_feature_names_out().tolist()
+    np.testing.assert_allclose(out.to_numpy(), features_loop(module_at(clf), _by_hand(
+        X, X[:4])), rtol=1e-9, atol=1e-12)
+    # Reordered or other columns are refused, before any work, the fit kept.
+    for bad in (df[["b", "a"]], df.rename(columns={"a": "c"})):
+        with pytest.raises(ValueError, match="feature names should match"):
+            est.transform(bad[:4])
+        with pytest.raises(ValueError, match="feature names should match"):
+            est.fit(bad)
+        assert est.estimator_ is pipe and list(est.feature_names_in_) == ["a", "b"]
+    with (pytest.warns(UserWarning, match="valid feature names"),
+          pytest.raises(ValueError, match="3 features")):
+        est.transform(np.c_[X, X[:, :1]])
+    # kneighbors: the training points of highest normalized kernel, by hand.
+    phi = features_loop(module_at(clf), _by_hand(X, X))
+    ind = est.kneighbors(df[:3], n_neighbors=4, return_distance=False)
+    cos = _unit(phi[:3]) @ _unit(phi).T
+    np.testing.assert_array_equal(np.sort(cos, axis=1)[:, ::-1][:, :4],
+                                  np.take_along_axis(cos, ind, axis=1))
+
+
+def test_tangent_feature_svm_of_a_frozen_pipeline_is_sklearns_svm_on_the_features(circle):
+    X, y = _scaled_data(circle)
+    pipe = make_pipeline(StandardScaler(), PathKernelClassifier(**SMALL)).fit(X, y)
+    X_train, y_train, Xq = X[:40], y[:40], X[40:]
+    svm = TangentFeatureSVM(FrozenEstimator(pipe), svm_kernel="linear", normalize=False,
+                            C=1.0).fit(X_train, y_train)
+    # The scaler is the pipeline's, fitted on all of X: not refitted on X_train.
+    phi_train = features_loop(module_at(pipe[-1]), _by_hand(X, X_train))
+    phi_q = features_loop(module_at(pipe[-1]), _by_hand(X, Xq))
+    ref = SVC(kernel="linear", C=1.0).fit(phi_train, y_train)
+    np.testing.assert_allclose(svm.decision_function(Xq), ref.decision_function(phi_q),
+                               rtol=1e-6, atol=1e-8)
+    np.testing.assert_array_equal(svm.predict(Xq), ref.predict(phi_q))
+    # The tangent kernel (the default) is the same SVM on the unit rows.
+    svm = TangentFeatureSVM(FrozenEstimator(pipe), C=1.0).fit(X_train, y_train)
+    ref = SVC(kernel="linear", C=1.0).fit(_unit(phi_train), y_train)
+    np.testing.assert_allclose(svm.decision_function(Xq),
+                               ref.decision_function(_unit(phi_q)), rtol=1e-6, atol=1e-8)
+    # clone keeps the frozen pipeline; a pickle gives the same decisions.
+    again = pickle.loads(pickle.dumps(clone(svm).fit(X_train, y_train)))
+    assert clone(svm).estimator.estimator is pipe
+    np.testing.assert_allclose(again.decision_function(Xq), svm.decision_function(Xq),
+                               rtol=1e-12)
+
+
+def test_ood_rank_detector_of_a_frozen_pipeline_spans_the_scaled_features(circle):
+    X, y = _scaled_data(circle)
+    pipe = make_pipeline(StandardScaler(), PathKernelClassifier(**SMALL)).fit(X, y)
+    det = OODRankDetector(FrozenEstimator(pipe), method="alignment").fit(X)
+    Xq = np.r_[X[:5] * 1.1, [[30.0, 9.0]]]
+    phi = features_loop(module_at(pipe[-1]), _by_hand(X, X))
+    phi_q = features_loop(module_at(pipe[-1]), _by_hand(X, Xq))
+    # "alignment": the best cosine between phi(x) and a training feature.
+    np.testing.assert_allclose(det.score_samples(Xq), (_unit(phi_q) @ _unit(phi).T).max(1),
+                               rtol=1e-7, atol=1e-9)
+    np.testing.assert_array_equal(det.predict(Xq),
+                                  np.where(det.decision_function(Xq) < 0, -1, 1))
+    # The residual outside the span of all training features (the default method's
+    # global variant) equals that of the bare network on the scaled inputs.
+    res = OODRankDetector(FrozenEstimator(pipe), method="residual").fit(X)
+    bare = OODRankDetector(FrozenEstimator(pipe[-1]), method="residual").fit(
+        _by_hand(X, X))
+    np.testing.assert_allclose(res.score_samples(Xq), bare.score_samples(_by_hand(X, Xq)),
+                               rtol=1e-6, atol=1e-9)
+    assert res.rank_gap(Xq) == bare.rank_gap(_by_hand(X, Xq))
+
+
+@pytest.mark.parametrize("cls", META, ids=lambda c: c.__name__)
+def test_an_unfrozen_pipeline_is_cloned_and_fitted(cls, circle):
+    """fit clones the pipeline and fits it on X, y, as scikit-learn's meta-estimators
+    fit theirs: its steps on X, its trainer on their output; the pipeline given is left
+    unfitted."""
+    X, y = _scaled_data(circle)
+    given = make_pipeline(StandardScaler(), PathKernelClassifier(**SMALL))
+    # The linear SVM on the raw features: sklearn's SVC on them is the reference.
+    params = (dict(svm_kernel="linear", normalize=False, C=1.0)
+              if cls is TangentFeatureSVM else {})
+    est = cls(given, **params).fit(X, y)
+    assert not hasattr(given[0], "mean_") and not hasattr(given[-1], "network_")
+    fitted = est.estimator_
+    assert fitted is not given and fitted[-1] is not given[-1]
+    np.testing.assert_allclose(fitted[0].mean_, X.mean(axis=0), rtol=1e-12)
+    # The trainer is the one fitted alone on the scaled X (same seed: the same path).
+    own = PathKernelClassifier(**SMALL).fit(_by_hand(X, X), y)
+    np.testing.assert_allclose(_final(est), _final(own), rtol=1e-9, atol=1e-12)
+    Xq = X[:6] * 1.2
+    phi = features_loop(module_at(own), _by_hand(X, Xq))
+    if cls is TangentFeatures:
+        np.testing.assert_allclose(est.transform(Xq), phi, rtol=1e-7, atol=1e-10)
+    elif cls is TangentFeatureSVM:
+        ref = SVC(kernel="linear", C=1.0).fit(features_loop(module_at(own), _by_hand(X, X)),
+                                              y)
+        np.testing.assert_allclose(est.decision_function(Xq), ref.decision_function(phi),
+                                   rtol=1e-6, atol=1e-8)
+    else:
+        bare = cls(FrozenEstimator(own)).fit(_by_hand(X, X))
+        np.testing.assert_allclose(est.score_samples(Xq), bare.score_samples(
+            _by_hand(X, Xq)), rtol=1e-6, atol=1e-8)
+    # clone, pickle, and a search over the pipeline's parameters.
+    np.testing.assert_allclose(_final(clone(est).fit(X, y)), _final(est), rtol=1e-12)
+    assert pickle.loads(pickle.dumps(est)).estimator_[0].mean_.tolist() == \
+        fitted[0].mean_.tolist()
+    grid = {"estimator__pathkernelclassifier__hidden_layer_sizes": [(3,), (5,)]}
+    scoring = (None if cls is TangentFeatureSVM else
+               lambda e, X, y=None: float(np.mean(
+                   e.transform(X) if cls is TangentFeatures else e.score_samples(X))))
+    search = GridSearchCV(cls(given, **params), grid, cv=2, scoring=scoring).fit(X, y)
+    assert search.best_estimator_.n_params_ in (2 * 3 + 3 + 3 + 1, 2 * 5 + 5 + 5 + 1)
+
+
+def test_the_detector_reconstructs_the_input_its_network_takes(circle):
+    """fit(X) without y trains the network to reconstruct its own input: the pipeline's
+    scaled X, not the X given."""
+    X, _ = _scaled_data(circle)
+    reg = dict(SMALL, max_iter=5)
+    det = OODRankDetector(make_pipeline(StandardScaler(), PathKernelMachine(**reg))).fit(X)
+    own = PathKernelMachine(**reg).fit(_by_hand(X, X), _by_hand(X, X))
+    np.testing.assert_allclose(_final(det), _final(own), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", META, ids=lambda c: c.__name__)
+def test_bad_input_through_a_pipeline_is_refused_and_the_fit_kept(cls, circle):
+    X, y = _scaled_data(circle)
+    given = make_pipeline(StandardScaler(), PathKernelClassifier(**SMALL))
+    est = cls(given).fit(X, y)
+    fitted, traj = est.estimator_, est.trajectory_
+    with pytest.raises(ValueError, match="inconsistent numbers of samples"):
+        est.fit(X, y[:-1])
+    with pytest.raises(ValueError, match="Input y contains NaN"):
+        est.fit(X, np.where(np.arange(len(y)) == 3, np.nan, y))
+    with pytest.raises(ValueError, match="Input X contains NaN"):
+        est.fit(np.where(np.arange(len(y))[:, None] == 3, np.nan, X), y)
+    assert est.estimator_ is fitted and est.trajectory_ is traj
+    # The pipeline given was never fitted by the refused fits.
+    assert not hasattr(given[0], "mean_")
+    method = {TangentFeatures: "transform", TangentFeatureSVM: "decision_function",
+              OODRankDetector: "score_samples"}[cls]
+    with pytest.raises(ValueError, match="3 features"):
+        getattr(est, method)(np.c_[X, X[:, :1]])
+
+
+def _ttr(X, y):
+    return TransformedTargetRegressor(PathKernelMachine(**SMALL), func=np.log1p,
+                                      inverse_func=np.expm1).fit(X, y + 1.0)
+
+
+@pytest.mark.parametrize("cls", [TangentFeatures, OODRankDetector],
+                         ids=lambda c: c.__name__)
+@pytest.mark.parametrize("wrapped", ["bag", "multioutput", "target", "refit=False"])
+def test_wrappers_whose_network_saw_other_inputs_keep_the_resolvers_hint(cls, wrapped,
+                                                                         circle):
+    X, y = _scaled_data(circle)
+    y = y.astype(float)
+    inner = {
+        "bag": lambda: BaggingRegressor(PathKernelMachine(**SMALL), n_estimators=2,
+                                        random_state=0).fit(X, y),
+        "multioutput": lambda: MultiOutputRegressor(PathKernelMachine(**SMALL)).fit(
+            X, np.c_[y, y]),
+        "target": lambda: _ttr(X, y),
+        "refit=False": lambda: GridSearchCV(PathKernelMachine(**SMALL),
+                                            {"alpha": [1e-4, 1.0]}, cv=2,
+                                            refit=False).fit(X, y),
+    }[wrapped]()
+    hint = {"bag": r"estimators_\[0\] holds one", "multioutput": r"estimators_\[i\]",
+            "target": r"regressor_, whose network was trained on the transformed",
+            "refit=False": "refit=True"}[wrapped]
+    est = cls(PathKernelMachine(**SMALL)).fit(X, y)
+    traj = est.trajectory_
+    for given in (FrozenEstimator(make_pipeline(StandardScaler().fit(X), inner)),
+                  FrozenEstimator(inner)):
+        with pytest.raises(TypeError, match=f"skpathkernel trainer.*{hint}"):
+            est.set_params(estimator=given).fit(X, y)
+        assert est.trajectory_ is traj
+
+
+def test_a_search_or_a_frozen_step_in_an_unfrozen_estimator_is_refused(circle):
+    X, y = _scaled_data(circle)
+    clf = PathKernelClassifier(**SMALL).fit(X, y)
+    search = GridSearchCV(PathKernelClassifier(**SMALL), {"alpha": [1e-4, 1.0]}, cv=2)
+    with pytest.raises(TypeError, match="got GridSearchCV: a search fits its candidates "
+                                        "itself; fit it, and pass it in sklearn.frozen"):
+        TangentFeatures(search).fit(X, y)
+    for given in (search.fit(X, y), make_pipeline(StandardScaler(), FrozenEstimator(clf))):
+        with pytest.raises(TypeError, match="Wrap the fitted .* in sklearn.frozen"):
+            TangentFeatures(given).fit(X, y)
+        # Frozen, the same is read as it is.
+        TangentFeatures(FrozenEstimator(given.fit(X, y) if given is not search
+                                        else given)).fit(X)
+
+
+def test_replay_refuses_a_meta_estimator_reading_a_pipeline(circle):
+    X, y = _scaled_data(circle)
+    pipe = make_pipeline(StandardScaler(), PathKernelClassifier(**SMALL)).fit(X, y)
+    svm = TangentFeatureSVM(FrozenEstimator(pipe)).fit(X, y)
+    with pytest.raises(ValueError, match="TangentFeatureSVM reads the path of its "):
+        retrain_on_subsets(svm, X, y, X[:2], y[:2], protocol="replay", n_subsets=2)
+
+
+@pytest.mark.parametrize("routing", [False, True])
+def test_sample_weight_reaches_the_trainer_of_an_unfrozen_pipeline(circle, routing):
+    """The trainer at the end of the pipeline is weighted as one given alone (with
+    metadata routing, where it requested the weights); the steps are fitted unweighted."""
+    X, y = _scaled_data(circle)
+    w = np.linspace(0.5, 2.0, len(y))
+    with sklearn.config_context(enable_metadata_routing=routing):
+        trainer = PathKernelClassifier(**SMALL)
+        if routing:
+            trainer.set_fit_request(sample_weight=True)
+        est = TangentFeatures(make_pipeline(StandardScaler(), trainer)).fit(
+            X, y, sample_weight=w)
+        own = PathKernelClassifier(**SMALL).fit(_by_hand(X, X), y, sample_weight=w)
+    np.testing.assert_allclose(_final(est), _final(own), rtol=1e-9, atol=1e-12)
+    unweighted = PathKernelClassifier(**SMALL).fit(_by_hand(X, X), y)
+    assert not np.allclose(_final(est), _final(unweighted), rtol=1e-6)

@@ -244,12 +244,14 @@ class FittedAttribute:
     instance itself (a subclass's own value where its base reads the network's).
     ``writable`` (with ``"network_"``): assigning replaces ``network_`` by a copy with the
     new value, so that a shallow copy of the estimator never changes the original's
-    network.
+    network. ``label``: how errors name the source (a private one by the public
+    attribute it stands for).
     """
 
     def __init__(self, source: str | None = None, name: str | None = None,
-                 writable: bool = False):
+                 writable: bool = False, label: str | None = None):
         self.source, self.name, self.writable = source, name, writable
+        self.label = label or source
 
     def __set_name__(self, owner, attr):
         self.attr = attr
@@ -273,7 +275,7 @@ class FittedAttribute:
             # "not fitted" would send the user to fit again, which would not add it.
             raise AttributeError(
                 f"{type(obj).__name__!r} object has no attribute {self.attr!r}: its "
-                f"{self.source}, a {type(source).__name__}, has no {self.name!r}"
+                f"{self.label}, a {type(source).__name__}, has no {self.name!r}"
             ) from None
 
     def __set__(self, obj, value):

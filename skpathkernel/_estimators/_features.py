@@ -182,7 +182,7 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         self.n_jobs = n_jobs
         self.random_state = random_state
 
-    classes_ = FittedAttribute("estimator_")
+    classes_ = FittedAttribute("_network_estimator", label="estimator_")
 
     def __setstate__(self, state):
         # A fit pickled before transform read the fit's n_components and normalize has
@@ -196,7 +196,7 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
     @property
     def task_(self):
         """"classification" or "regression": what ``estimator_`` was trained on."""
-        return trained_task(self.estimator_)
+        return trained_task(self._network_estimator)
 
     @keep_previous_fit_on_error
     def fit(self, X, y=None, sample_weight=None, **fit_params):
@@ -500,7 +500,10 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
 
     def _kernel(self):
         kernel = TangentKernel if self._svm_kernel == "tangent" else PathKernel
-        return kernel(self, normalized=self._normalize)
+        # Of the network itself: the rows it is given are the network's input already
+        # (validated, or X_fit_), which a kernel of this estimator would take as its own
+        # X, through the steps of a pipeline holding the network again.
+        return kernel(self.network_, normalized=self._normalize)
 
     def _features(self, X):
         """What the linear SVM reads of an ``X`` validated already (``X_fit_``, or

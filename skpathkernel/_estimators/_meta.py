@@ -12,6 +12,12 @@ in a user's own loop, :class:`~skpathkernel.RecordedNetwork`
 (``PathRecorder.as_estimator``), is fitted by construction and its ``fit`` does nothing:
 it is used as it is, bare or in a ``FrozenEstimator``, as a frozen trainer is.
 
+The trainer may end a :class:`~sklearn.pipeline.Pipeline` (or be a refitted search's
+``best_estimator_``), which :func:`~skpathkernel._network._trained.pipeline_last_step`
+follows for the kernels: the network takes ``X`` as the steps before it hand it over.
+A fitted one in a ``FrozenEstimator`` is used as it is; an unfrozen pipeline is cloned,
+its steps fitted on ``X``, then the trainer on their output, as the trainer alone is.
+
 With ``sklearn.set_config(enable_metadata_routing=True)`` they route ``sample_weight`` as
 scikit-learn's meta-estimators do (``CalibratedClassifierCV``, ``MultiOutputRegressor``):
 the trainer's ``fit`` receives it only where the trainer requested it
@@ -27,6 +33,8 @@ from __future__ import annotations
 import numpy as np
 from sklearn.base import BaseEstimator, MetaEstimatorMixin, clone
 from sklearn.frozen import FrozenEstimator
+from sklearn.model_selection._search import BaseSearchCV
+from sklearn.pipeline import Pipeline
 from sklearn.utils._param_validation import HasMethods
 from sklearn.utils.metadata_routing import (
     MetadataRouter,
@@ -36,7 +44,13 @@ from sklearn.utils.metadata_routing import (
     process_routing,
 )
 from sklearn.utils.multiclass import type_of_target
-from sklearn.utils.validation import _check_feature_names
+from sklearn.utils.validation import (
+    _check_feature_names,
+    _check_n_features,
+    _check_y,
+    check_consistent_length,
+    check_is_fitted,
+)
 
 from .._network._inputs import (
     FEATURES,
@@ -45,7 +59,13 @@ from .._network._inputs import (
     check_representable,
     validate_input,
 )
-from .._network._trained import TrainedNetwork, network_of
+from .._network._trained import (
+    TrainedNetwork,
+    _followed,
+    _wrapped_network_hint,
+    network_of,
+    pipeline_last_step,
+)
 from .._path._recorder import PathRecorder, RecordedNetwork
 from .._validation import check_column_names
 from .._warnings import VersionedStateMixin
@@ -75,17 +95,29 @@ ESTIMATOR_DOC = """
         ``PathRecorder.as_estimator``), bare or in a ``FrozenEstimator``: it is fitted
         by construction, and its ``fit`` does nothing. ``clone`` deep-copies a bare one
         (module and trajectory) and returns a ``FrozenEstimator`` as it is: wrap a large
-        network for a search or a cross-validation, which clone it per fit."""
+        network for a search or a cross-validation, which clone it per fit.
+        The trainer may be the last step of a :class:`~sklearn.pipeline.Pipeline`: every
+        method then takes ``X`` as the pipeline does, the network the output of the
+        steps before it. ``fit`` clones an unfrozen pipeline and fits its steps on
+        ``X``, ``y`` (without ``sample_weight``, which the trainer alone receives), then
+        the trainer on their output; a fitted one in a ``FrozenEstimator`` is used as it
+        is, and so is a fitted ``GridSearchCV`` or ``RandomizedSearchCV`` (its
+        ``best_estimator_``, a pipeline or a trainer) there. A fitted search, a
+        ``FrozenEstimator`` or a ``RecordedNetwork`` inside an unfrozen pipeline is
+        refused: freeze the whole."""
 
 FITTED_DOC = """
-    estimator_ : PathKernelMachine, PathKernelClassifier or RecordedNetwork
+    estimator_ : PathKernelMachine, PathKernelClassifier, RecordedNetwork, Pipeline or search
         The fitted trainer: a clone of ``estimator`` (or the default one) fitted here, or
         the trainer inside a ``FrozenEstimator`` (or a bare ``RecordedNetwork``), itself.
+        With a pipeline or a search, the fitted pipeline or search (the one given in a
+        ``FrozenEstimator``, or the clone fitted here), whose last step (or
+        ``best_estimator_``) is the trainer whose network is read.
         One fitted here on a DataFrame has its column names (``feature_names_in_``), as
         the inner estimators of :class:`sklearn.multioutput.MultiOutputRegressor` have.
     network_ : TrainedNetwork
-        ``estimator_``'s network and its recorded path, which the kernels
-        (``tangent_kernel_``, ``path_kernel_``) and the displays read. ``module_``,
+        ``estimator_``'s network (its last step's) and its recorded path, which the
+        kernels (``tangent_kernel_``, ``path_kernel_``) and the displays read. ``module_``,
         ``trajectory_``, ``n_params_``, ``n_outputs_``, ``device_``, ``dtype_``,
         ``loss_curve_``, ``best_loss_``, ``validation_scores_``,
         ``best_validation_score_``, ``n_iter_`` and ``t_`` are ``estimator_``'s, read
@@ -97,7 +129,7 @@ FITTED_DOC = """
         The training points of the kernel rows: the samples ``estimator_`` trained on
         (all of ``X`` unless ``early_stopping`` held some out), or with a
         ``FrozenEstimator`` (or a ``RecordedNetwork``) the ``X`` given to ``fit``; as the
-        network takes them.
+        network takes them (with a pipeline, the output of the steps before the trainer).
     train_indices_ : ndarray of int of shape (n_samples_fit,)
         The rows of the ``X`` given to ``fit`` that ``X_fit_`` holds, in its order:
         ``X_fit_`` equals ``X[train_indices_]`` (``X`` after this estimator's input
@@ -111,7 +143,8 @@ FITTED_DOC = """
         also leaves out the rows of ``sample_weight`` 0 and repeated rows (it keeps the
         first occurrence).
     n_features_in_ : int
-        Number of features seen during fit (values per sample for ``(n, ...)`` inputs).
+        Number of features seen during fit (values per sample for ``(n, ...)`` inputs;
+        with a pipeline, of the ``X`` given to it).
     input_shape_ : tuple of int
         Trailing shape of ``X`` at fit; every method that takes ``X`` expects it.
     feature_names_in_ : ndarray of shape (`n_features_in_`,)
@@ -169,18 +202,19 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
     # alike, with no request set).
     _routing_default: type = PathKernelMachine
 
-    # Read from the fitted trainer: one source of truth.
-    module_ = FittedAttribute("estimator_")
-    trajectory_ = FittedAttribute("estimator_")
-    device_ = FittedAttribute("estimator_")
-    dtype_ = FittedAttribute("estimator_")
-    n_params_ = FittedAttribute("estimator_")
-    loss_curve_ = FittedAttribute("estimator_")
-    best_loss_ = FittedAttribute("estimator_")
-    validation_scores_ = FittedAttribute("estimator_")
-    best_validation_score_ = FittedAttribute("estimator_")
-    n_iter_ = FittedAttribute("estimator_")
-    t_ = FittedAttribute("estimator_")
+    # Read from the fitted trainer (estimator_, or the last step of the pipeline it is):
+    # one source of truth.
+    module_ = FittedAttribute("_network_estimator", label="estimator_")
+    trajectory_ = FittedAttribute("_network_estimator", label="estimator_")
+    device_ = FittedAttribute("_network_estimator", label="estimator_")
+    dtype_ = FittedAttribute("_network_estimator", label="estimator_")
+    n_params_ = FittedAttribute("_network_estimator", label="estimator_")
+    loss_curve_ = FittedAttribute("_network_estimator", label="estimator_")
+    best_loss_ = FittedAttribute("_network_estimator", label="estimator_")
+    validation_scores_ = FittedAttribute("_network_estimator", label="estimator_")
+    best_validation_score_ = FittedAttribute("_network_estimator", label="estimator_")
+    n_iter_ = FittedAttribute("_network_estimator", label="estimator_")
+    t_ = FittedAttribute("_network_estimator", label="estimator_")
     # The meta-estimator's own: the points its kernel rows and spans are against.
     X_fit_ = FittedAttribute()
     train_indices_ = FittedAttribute()
@@ -197,7 +231,7 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
             # said "no attribute '_n_outputs_of_trainer'").
             raise AttributeError(
                 f"{type(self).__name__!r} object has no attribute 'n_outputs_' (not fitted)")
-        return self.estimator_.n_outputs_
+        return self._network_estimator.n_outputs_
 
     @property
     def network_(self):
@@ -205,22 +239,68 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         if "estimator_" not in self.__dict__:
             raise AttributeError(
                 f"{type(self).__name__!r} object has no attribute 'network_' (not fitted)")
-        return network_of(self.estimator_)
+        return network_of(self._network_estimator)
+
+    def _network_wrapper(self):
+        """The fitted pipeline or search that ``estimator_`` is, whose last step (or
+        ``best_estimator_``) holds the network; None where ``estimator_`` holds it, or
+        before fit. :func:`~skpathkernel._network._trained.pipeline_last_step` follows
+        this estimator into it, so that the kernels, the displays and the diagnostics
+        take ``X`` as this estimator does."""
+        est = self.__dict__.get("estimator_")
+        return None if est is None or hasattr(est, "network_") else est
+
+    @property
+    def _network_estimator(self):
+        """The fitted estimator holding the network: ``estimator_``, or the one inside
+        the pipeline or search it is."""
+        wrapper = self._network_wrapper()
+        return self.estimator_ if wrapper is None else pipeline_last_step(wrapper)[0]
 
     def _trained_by(self):
-        return self.estimator_
+        return self._network_estimator
 
     # ------------------------------------------------------------------ the trainer
     def _trainer(self):
         """``(trainer or None, frozen)``: the ``estimator`` parameter, unwrapped.
 
+        The trainer is the estimator itself, or the one holding the network inside the
+        pipeline or the refitted search it is (:func:`pipeline_last_step`'s way: a
+        pipeline's last step, a ``best_estimator_``, a ``FrozenEstimator``'s estimator).
         A :class:`RecordedNetwork` is frozen, wrapped or not: cloned and fitted it would
         be a deep copy of the same network (its ``fit`` does nothing), and ``fit``'s
         ``X`` is the only training input it has for sure (``X_train`` is optional).
         """
+        return self._resolved()[1:]
+
+    def _resolved(self):
+        """``(estimator out of a FrozenEstimator, trainer, frozen)``; see :meth:`_trainer`."""
         est = self.estimator
         frozen = isinstance(est, FrozenEstimator)
         inner = est.estimator if frozen else est
+        # A class is refused below as one: its methods are not bound.
+        chain = [inner] if inner is None or isinstance(inner, type) else _followed(inner)
+        self._check_trainer_type(inner, chain[-1])
+        if len(chain) > 1 and not frozen and (
+                not all(isinstance(step, Pipeline) for step in chain[:-1])
+                or isinstance(chain[-1], RecordedNetwork)):
+            # fit clones an unfrozen estimator and fits it: a pipeline's steps are, but
+            # a search would search again, and a FrozenEstimator or a RecordedNetwork
+            # inside would keep a network trained on the inputs of steps now refitted.
+            raise TypeError(
+                f"{type(self).__name__} clones and fits an estimator that is not frozen; "
+                f"the {type(inner).__name__} given holds a fitted network (a search's "
+                "best_estimator_, a FrozenEstimator or a RecordedNetwork inside) that "
+                f"this fit would not use as it is. Wrap the fitted "
+                f"{type(inner).__name__} in sklearn.frozen.FrozenEstimator to read its "
+                "network as it is, or pass an unfitted Pipeline ending in a trainer to "
+                "fit it here.")
+        trainer = chain[-1]
+        return inner, trainer, frozen or isinstance(trainer, RecordedNetwork)
+
+    def _check_trainer_type(self, outer, inner) -> None:
+        """Refuse a ``estimator`` whose trainer ``inner`` (``outer`` itself, or the last
+        step of the pipeline or search ``outer`` is) is not one this estimator takes."""
         if inner is not None and not isinstance(inner, self._trainers):
             trainers = [cls.__name__ for cls in self._trainers if cls is not RecordedNetwork]
             recorded = RecordedNetwork in self._trainers
@@ -229,6 +309,17 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
             got = (f"the class {inner.__name__}, not an instance: pass "
                    f"{inner.__name__}(...)" if isinstance(inner, type)
                    else type(inner).__name__)
+            if outer is not inner:
+                got = f"{type(outer).__name__} holding {got}"
+            # Where the network is in a fitted wrapper that none of the trainers is (a
+            # bag, a search without refit), as the kernels' refusal says it.
+            hint = "" if isinstance(outer, type) else _wrapped_network_hint(outer)
+            if hint:
+                got += hint
+            elif isinstance(outer, BaseSearchCV) and not hasattr(outer, "cv_results_"):
+                got += (": a search fits its candidates itself; fit it, and pass it in "
+                        "sklearn.frozen.FrozenEstimator to read its best_estimator_'s "
+                        "network as it is")
             # The recorder and its as_network are what an own loop has at hand: the
             # estimator that takes their place is named.
             if recorded and isinstance(inner, PathRecorder):
@@ -242,9 +333,11 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
                 f"sklearn.frozen.FrozenEstimator to use its network as it is)"
                 + (", or a RecordedNetwork (PathRecorder.as_estimator: a network trained "
                    "in your own loop, used as it is)" if recorded else "")
-                + f"; got {got}."
+                + ", or a Pipeline ending in one (cloned and fitted, or fitted and "
+                "frozen), or a search refitted on one, fitted and frozen"
+                + f"; got {got}"
+                + ("" if got.endswith(".") else ".")
             )
-        return inner, frozen or isinstance(inner, RecordedNetwork)
 
     def _validate_params(self):
         # scikit-learn's "must be an object implementing 'fit'" would refuse a PathRecorder
@@ -348,7 +441,8 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         whether or not the trainer got them.
         """
         fit_params = {} if fit_params is None else fit_params
-        inner, frozen = self._trainer()
+        outer, inner, frozen = self._resolved()
+        wrapper = None if outer is inner else outer
         to_trainer, other = sample_weight, {}
         if _routing_enabled():
             # Before any work: a weight that no one requested is refused, naming whom to
@@ -366,14 +460,22 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
             _raise_for_params(fit_params, self, "fit")
         if frozen:
             net = network_of(inner)  # NotFittedError for a frozen unfitted trainer
-            # Named columns are the frozen trainer's, in its order: this estimator's own
-            # names are reset by this fit, and would let reordered columns through.
-            check_column_names(inner, X)
+            # Named columns are the frozen trainer's (its pipeline's), in its order: this
+            # estimator's own names are reset by this fit, and would let reordered
+            # columns through.
+            check_column_names(outer, X)
+            given = X
+            if wrapper is not None:
+                # The network takes X as the pipeline's steps before it hand it over.
+                X = pipeline_last_step(wrapper, X)[1]
+                check_column_names(inner, X)
             X, y = self._validate_like_network(X, y, net, frozen=True)
+            if wrapper is not None:
+                self._record_given(given)
             self._check_targets(y)
             # The X given here is the span's: the frozen trainer's own train_indices_
             # index the X of its earlier fit.
-            self.estimator_, self.X_fit_, self.train_indices_ = inner, X, np.arange(len(X))
+            self.estimator_, self.X_fit_, self.train_indices_ = outer, X, np.arange(len(X))
             # An own loop declares no number of outputs: one sample's forward pass counts
             # them (a trainer's n_outputs_ is read from it).
             self._n_outputs = (net.outputs(X[:1]).shape[1]
@@ -381,7 +483,14 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
             sample_weight = _check_weights(sample_weight, X)
             self._check_weighted(X, y, sample_weight)
             return X, y, True, sample_weight
-        given = X
+        given = trainer = None
+        if wrapper is not None:
+            # Before any step is fitted: what this fit refuses of y and of the rows.
+            self._check_given(X, y, sample_weight)
+            given, wrapper = X, clone(wrapper)
+            trainer, X = _fit_steps_before_network(wrapper, X, y)
+        # What the trainer is given: X, or what the pipeline's steps made of it.
+        to_network = X
         X, y = self._validate_fit_data(X, y, flexible=getattr(inner, "module", None) is not None)
         self._check_targets(y)
         same = to_trainer is sample_weight
@@ -391,7 +500,7 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         self._check_weighted(X, y, sample_weight)
         if inner is None:
             trainer = self._default_trainer(y)
-        else:
+        elif trainer is None:  # the pipeline's is its clone already
             trainer = clone(inner)
         self._check_trainer(trainer, y, sample_weight)
         # Weights only when there are some: a trainer subclass whose fit(X, y) takes none
@@ -402,10 +511,59 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         # or TransformedTargetRegressor's inner estimators, which are given X as it is.
         # Fitted on the validated array, estimator_ had none, and a kernel over it took
         # reordered columns by position without a word.
-        _check_feature_names(trainer, given, reset=True)
-        self.estimator_, self.X_fit_, self._n_outputs = trainer, trainer.X_fit_, None
+        _check_feature_names(trainer, to_network, reset=True)
+        if wrapper is not None:
+            self._record_given(given)
+        self.estimator_ = trainer if wrapper is None else wrapper
+        self.X_fit_, self._n_outputs = trainer.X_fit_, None
         self.train_indices_ = trainer.train_indices_
         return X, y, False, sample_weight
+
+    def _check_given(self, X, y, sample_weight) -> None:
+        """Refuse, before a pipeline's steps are fitted, the ``y`` and ``sample_weight``
+        that the validation of the network's input (after them) would refuse."""
+        if y is not None:
+            reject_sparse_y(y)
+            check_consistent_length(X, y)
+            self._check_targets(_check_y(y, multi_output=True))
+        if sample_weight is not None:
+            check_consistent_length(X, sample_weight)
+
+    def _record_given(self, X) -> None:
+        """``n_features_in_``, ``feature_names_in_`` and ``input_shape_`` of the ``X``
+        given to ``fit``, where a pipeline's steps transform it for the network: this
+        estimator takes that ``X``, as the pipeline does (the network's input form is
+        ``network_``'s)."""
+        self.__dict__.pop("n_features_in_", None)
+        _check_feature_names(self, X, reset=True)
+        _check_n_features(self, X, reset=True)  # none for inputs without a width
+        shape = getattr(X, "shape", None)
+        if shape is not None and len(shape) > 1:
+            self.input_shape_ = tuple(int(d) for d in shape[1:])
+        elif hasattr(self, "n_features_in_"):
+            self.input_shape_ = (self.n_features_in_,)
+        else:
+            self.__dict__.pop("input_shape_", None)
+
+    def _validate_X(self, X):
+        wrapper = self._network_wrapper()
+        if wrapper is None:
+            return super()._validate_X(X)
+        check_is_fitted(self)
+        # This estimator's columns and their number, as fit recorded them (a search
+        # without steps before the network checks none); the steps check their own. A
+        # 1-D X has no number of columns: the steps (or the network) refuse it with
+        # scikit-learn's "Reshape your data".
+        _check_feature_names(self, X, reset=False)
+        shape = getattr(X, "shape", None)
+        if shape is None or len(shape) > 1:
+            _check_n_features(self, X, reset=False)
+        holder, X = pipeline_last_step(wrapper, X)
+        net = self.network_
+        check_column_names(holder, X)
+        X = net.check(X)
+        check_representable(X, net.torch_dtype)
+        return X
 
     def _validate_fit_data(self, X, y, *, flexible, frozen=False):
         checks = dict(reset=True, flexible=flexible,
@@ -458,6 +616,21 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         # With a module, X may be (n, ...): images, sequences, token ids (see _inputs).
         tags.input_tags.three_d_array = self._trainer_param("module", None) is not None
         return tags
+
+
+def _fit_steps_before_network(pipe, X, y):
+    """Fit the steps of the (cloned) pipeline ``pipe`` before the trainer, as
+    ``Pipeline.fit`` does, down the pipelines ending it: ``(trainer, X as it reaches
+    the trainer)``. The trainer itself is left to the meta-estimator's fit, which checks
+    and weighs its training as it does a trainer's given alone."""
+    while isinstance(pipe, Pipeline):
+        if len(pipe) > 1:
+            head = pipe[:-1]
+            X = head.fit_transform(X, y)
+            # With a memory the fitted steps are clones: the pipeline holds them.
+            pipe.steps[:-1] = head.steps
+        pipe = pipe.steps[-1][1]
+    return pipe, X
 
 
 def flat_targets(X: np.ndarray) -> np.ndarray:

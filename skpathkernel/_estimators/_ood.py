@@ -119,7 +119,7 @@ def _no_fit_predict(self):
 
 
 # The scores run the trained network's module (a float64 copy is taken of it): its lock.
-_runs_detector_module = runs_module(lambda det: network_of(det.estimator_).module,
+_runs_detector_module = runs_module(lambda det: network_of(det).module,
                                      check=warn_drawing_now)
 
 
@@ -383,22 +383,9 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
                 "wrap a fitted classifier in sklearn.frozen.FrozenEstimator to read its "
                 "network as it is."
             )
-        if (reconstruct and not frozen and inner is not None and inner.module is not None
-                and np.issubdtype(X.dtype if hasattr(X, "dtype") else np.asarray(X).dtype,
-                                  np.integer)):
-            # With a module, integer X is token ids: reconstructing them regresses
-            # category codes as numbers, a task without meaning whose network's span
-            # would then define "normal".
-            raise ValueError(
-                "fit(X) without y trains the network to reconstruct X, but integer X "
-                "with a module is token ids, categories that a regression on their codes "
-                "does not model: pass targets y for the network to learn, or wrap a fitted "
-                "trainer in sklearn.frozen.FrozenEstimator to read its network as it is."
-            )
         _, _, frozen, weights = self._fit_trainer(
             X, None if frozen else y, target=flat_targets if reconstruct else None,
             sample_weight=sample_weight, fit_params=fit_params)
-        est = self.estimator_
         if weights is not None:
             # Those of X_fit_'s rows (early stopping's training part): read from the
             # weights given, which routing may have kept from the trainer.
@@ -419,7 +406,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         if len(self.X_fit_) < 2:
             # Early stopping held out the others: known only now.
             self._too_few_points(len(self.X_fit_))
-        task = trained_task(est)
+        task = trained_task(self._network_estimator)
         if task == "regression" and reconstruct and not frozen:
             task = "reconstruction"
         # The span's points: those trained on (not the early-stopping hold-out), or the
@@ -427,6 +414,19 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         return self.X_fit_, task
 
     def _check_weighted(self, X, y, sample_weight):
+        inner, frozen = self._trainer()
+        if (y is None and not frozen and inner is not None and inner.module is not None
+                and np.issubdtype(X.dtype, np.integer)):
+            # With a module, integer X (as the network takes it, after a pipeline's
+            # steps) is token ids: reconstructing them regresses category codes as
+            # numbers, a task without meaning whose network's span would then define
+            # "normal".
+            raise ValueError(
+                "fit(X) without y trains the network to reconstruct X, but integer X "
+                "with a module is token ids, categories that a regression on their codes "
+                "does not model: pass targets y for the network to learn, or wrap a fitted "
+                "trainer in sklearn.frozen.FrozenEstimator to read its network as it is."
+            )
         # Before any training: the span's points are among these rows.
         rows = X if sample_weight is None else X[sample_weight > 0]
         n_points = np.count_nonzero(_distinct_rows(rows))
@@ -471,7 +471,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
             Training inputs (with a trainer's ``module``, any ``(n_samples, ...)`` array:
             floats, or integer token ids); with a ``FrozenEstimator``, the inputs whose
             features define the span (usually its ``X_fit_``), in the form its network
-            takes.
+            takes (a pipeline's: as the pipeline takes them, its training ``X``).
         y : array-like of shape (n_samples,) or (n_samples, n_outputs), default=None
             Targets of the task (see ``estimator``); None trains the network to
             reconstruct X. Ignored with a ``FrozenEstimator``.
@@ -515,8 +515,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     @_runs_detector_module
     def _fit_span(self, X, task):
         """The span of the training features ``X`` and the scores that set ``offset_``."""
-        est = self.estimator_
-        gram = NetworkGram(network_of(est))
+        gram = NetworkGram(self.network_)
         n = X.shape[0]
         # Every method holds blocks of Gram rows (N values each, with their temporaries)
         # against all N points; refuse before any Gram when one does not fit.
@@ -642,7 +641,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         scores : ndarray of shape (n_samples,)
         """
         X = self._validate_X(X)
-        net = network_of(self.estimator_)
+        net = self.network_
         n_blocks = n_row_blocks(self.n_jobs, X)
         if n_blocks > 1:
             # Workers get an on-disk trajectory by reference, and loky processes an
@@ -722,7 +721,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
             ``rank_tau(J([X_fit_; X]))``.
         """
         X = self._validate_X(X)
-        gram = NetworkGram(network_of(self.estimator_))
+        gram = NetworkGram(self.network_)
         n_train = self.X_fit_.shape[0]
         total = n_train + X.shape[0]
         nbytes = 8 * total**2

@@ -1281,7 +1281,9 @@ def pipeline_last_step(estimator, *inputs):
     followed down); a search refitted on the whole data (GridSearchCV,
     RandomizedSearchCV, ``refit=True``) for its ``best_estimator_``, and a
     :class:`~sklearn.frozen.FrozenEstimator` for its estimator, on the inputs as they
-    are; nested in each other, in any order. The kernels, the displays and the
+    are; nested in each other, in any order. A fitted meta-estimator whose ``estimator_``
+    is such a pipeline or search (``TangentFeatures(FrozenEstimator(pipe))``) stands for
+    it. The kernels, the displays and the
     diagnostics take them so, as scikit-learn's displays take a pipeline. The wrappers
     whose network saw other inputs or targets (a bag, one estimator per output, a
     ``TransformedTargetRegressor``, whose prediction is not the network's output), a
@@ -1324,7 +1326,8 @@ def with_last_step(estimator, model):
 def _followed(estimator) -> list:
     """``estimator`` and the estimators inside it that :func:`pipeline_last_step` follows
     (a pipeline's last step, a refitted search's ``best_estimator_``, a
-    FrozenEstimator's estimator), outermost first."""
+    FrozenEstimator's estimator, the pipeline or search a fitted meta-estimator reads),
+    outermost first."""
     chain = [estimator]
     while True:
         last = chain[-1]
@@ -1337,6 +1340,12 @@ def _followed(estimator) -> list:
             chain.append(last.estimator)
         elif _is_refit_search(last):
             chain.append(last.best_estimator_)
+        elif callable(getattr(last, "_network_wrapper", None)) \
+                and last._network_wrapper() is not None:
+            # A fitted meta-estimator (TangentFeatures, ...) reading the network of a
+            # pipeline or a search stands for it: its network takes X as that wrapper
+            # hands it to its last step, not as the meta-estimator is given it.
+            chain.append(last._network_wrapper())
         else:
             return chain
 

@@ -23,6 +23,7 @@ import torch
 from _reference import features_loop, jacobian_loop, module_at, own_loop
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.base import clone
+from sklearn.utils import get_tags
 
 from skpathkernel import (
     PathKernel,
@@ -2208,3 +2209,71 @@ def test_recorded_network_without_x_train_transforms_but_has_no_neighbours():
         net.kneighbors(X[:2], 1)
     with pytest.raises(ValueError, match=r"could not take X of shape \(2, 5\)"):
         net.transform(np.ones((2, 5)))
+
+
+def _named_recorded(n_outputs=2):
+    """A RecordedNetwork of an own loop whose X_train is a DataFrame, and its values."""
+    pd = pytest.importorskip("pandas")
+    net, X = own_loop("mlp", n_outputs=n_outputs)
+    df = pd.DataFrame(X, columns=["a", "b", "c"])
+    return RecordedNetwork(net.module, net.trajectory, X_train=df, y_train=net.y_train,
+                           loss=net.loss), df, X
+
+
+def test_a_recorded_network_refuses_columns_other_than_x_trains():
+    """X_train's column names are feature_names_in_, checked as the estimators check
+    them: a reordered DataFrame was read by position, silently computing on the wrong
+    features."""
+    net, df, X = _named_recorded()
+    assert_array_equal(net.feature_names_in_, ["a", "b", "c"])
+    reordered, renamed = df[["c", "a", "b"]], df.rename(columns={"a": "z"})
+    calls = [net.transform, net.predict, net.decompose, net.attribute,
+             lambda Z: net.explain(Z, 2), lambda Z: net.kneighbors(Z, 2),
+             net.tangent_kernel_]
+    for bad in (reordered, renamed):
+        for call in calls:
+            with pytest.raises(ValueError, match="feature names"):
+                call(bad[:3])
+    # The same columns in their order: the values, as the per-sample autograd loop.
+    assert_allclose(net.transform(df[:4]), features_loop(module_at(net), X[:4]),
+                    rtol=1e-10, atol=1e-12)
+    # Values without names warn, as scikit-learn's estimators do, and are taken.
+    with pytest.warns(UserWarning, match="does not have valid feature names"):
+        assert_allclose(net.transform(X[:4]), net.transform(df[:4]), rtol=1e-12)
+    # Without names in X_train, nothing was declared: no names, nothing checked.
+    plain = RecordedNetwork(net.module, net.trajectory, X_train=X, y_train=net.y_train,
+                            loss=net.loss)
+    assert not hasattr(plain, "feature_names_in_")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_allclose(plain.transform(reordered[:3]), plain.transform(X[:3, [2, 0, 1]]),
+                        rtol=1e-12)
+
+
+@pytest.mark.parametrize("n_outputs", [1, 2])
+def test_a_recorded_network_sets_its_transforms_output(n_outputs):
+    """set_output(transform="pandas") as the estimators' transformers: the tangent
+    features as a DataFrame named by the parameters (per output when several), the
+    index of X kept; fit_transform as fit (nothing) then transform."""
+    pd = pytest.importorskip("pandas")
+    net, df, X = _named_recorded(n_outputs)
+    names = [f"{name}[{i}]" for name, p in net.module.named_parameters()
+             for i in range(p.numel())]
+    if n_outputs > 1:
+        names = [f"out{c}:{n}" for c in range(n_outputs) for n in names]
+    assert net.get_feature_names_out().tolist() == names
+    with pytest.raises(ValueError, match="input_features is not equal"):
+        net.get_feature_names_out(["x", "y", "z"])
+    out = clone(net).set_output(transform="pandas").transform(df.iloc[5:9])
+    assert isinstance(out, pd.DataFrame) and list(out.columns) == names
+    assert list(out.index) == [5, 6, 7, 8]
+    assert_allclose(out.to_numpy(), features_loop(module_at(net), X[5:9]), rtol=1e-10,
+                    atol=1e-12)
+    phi = net.set_output(transform="pandas").fit_transform(df[:3])
+    assert isinstance(phi, pd.DataFrame)
+    # The network's dtype comes out, as the estimators' transformers declare.
+    assert get_tags(net).transformer_tags.preserves_dtype == ["float64"]
+    # Without X_train the outputs cannot be counted: said, not guessed.
+    bare = RecordedNetwork(net.module, net.trajectory)
+    with pytest.raises(ValueError, match="X_train"):
+        bare.get_feature_names_out()

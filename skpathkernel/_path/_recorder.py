@@ -64,11 +64,21 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import torch.distributed as dist
-from sklearn.base import BaseEstimator
+from sklearn.base import BaseEstimator, TransformerMixin
+from sklearn.utils.validation import (
+    _check_feature_names,
+    _check_feature_names_in,
+    _get_feature_names,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from .._device import to_input_tensor
-from .._estimators._base import FittedNetworkMixin, NetworkAttributesMixin
+from .._estimators._base import (
+    FittedNetworkMixin,
+    NetworkAttributesMixin,
+    declare_feature_dtype,
+    tangent_feature_names,
+)
 from .._network._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from .._network._inputs import check_representable
 from .._network._trained import TrainedNetwork, warn_not_finite, warn_recorded_probes
@@ -1803,7 +1813,7 @@ _X_TRAIN_FORM = ("array-like of shape (n_queries, n_features) or (n_queries, ...
 
 
 class RecordedNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributesMixin,
-                      VersionedStateMixin, BaseEstimator):
+                      TransformerMixin, VersionedStateMixin, BaseEstimator):
     """A recorded path and its network, usable where the library takes a fitted estimator.
 
     Exposes the recorded network as a :class:`~skpathkernel.TrainedNetwork`
@@ -1811,7 +1821,8 @@ class RecordedNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributes
     :class:`~skpathkernel.kernels.TangentKernel` and :class:`~skpathkernel.kernels.PathKernel`
     read, the two kernels as ``tangent_kernel_`` and ``path_kernel_``, and the estimators'
     verbs: :meth:`decompose`, :meth:`attribute`, :meth:`explain`, :meth:`kneighbors`,
-    :meth:`transform` (the tangent features) and :meth:`self_influence`. It
+    :meth:`transform` (the tangent features, with scikit-learn's ``set_output`` and
+    :meth:`get_feature_names_out`) and :meth:`self_influence`. It
     is fitted by construction: :meth:`fit` does nothing (as
     ``sklearn.frozen.FrozenEstimator``), and ``clone`` returns an equally fitted copy.
 
@@ -1827,7 +1838,10 @@ class RecordedNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributes
         takes: floats (2-D features, images, sequences) or integer token ids (handed to
         the network as int64). Needed by :meth:`decompose`; also fixes ``n_features_in_``
         and ``input_shape_``, the form every later ``X`` must have (refused, naming it,
-        when the module cannot run it). Without it, any
+        when the module cannot run it); a DataFrame's string column names are
+        ``feature_names_in_``, which every later ``X`` with names must have, in their
+        order (scikit-learn's check: other or reordered columns are refused, not read by
+        position). Without it, any
         ``(n, ...)`` array that the module can run is taken as it is (one it cannot is
         refused with a ``ValueError`` naming its shape and dtype).
     y_train : array-like or tensor of shape (n_samples,) or (n_samples, n_targets)
@@ -1864,6 +1878,9 @@ class RecordedNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributes
     input_shape_ : tuple of int
         The trailing shape of ``X_train`` (``(n_features,)`` for 2-D inputs); only when
         ``X_train`` is given.
+    feature_names_in_ : ndarray of shape (`n_features_in_`,)
+        The column names of ``X_train``, only when it is a DataFrame with string column
+        names.
 
     Examples
     --------
@@ -1909,8 +1926,28 @@ class RecordedNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributes
             # As PathRecorder.as_network builds it from the same arguments.
             net = _recorded_network(self.module, self.trajectory, self.loss, self.X_train,
                                     self.y_train, self.memory_budget)
-            cached = self.__dict__["_cache"] = (params, net)
+            # Read before the network's array has dropped them; scikit-learn's check
+            # (names of mixed types are refused) with the other inputs'.
+            names = _get_feature_names(self.X_train)
+            cached = self.__dict__["_cache"] = (params, net, names)
         return cached[1]
+
+    @property
+    def feature_names_in_(self) -> np.ndarray:
+        """Column names of ``X_train``; only when it is a DataFrame with string names."""
+        self._network()
+        names = self.__dict__["_cache"][2]
+        if names is None:
+            raise AttributeError("feature_names_in_ is only set when X_train is a "
+                                 "DataFrame with string column names.")
+        return names
+
+    def _check_names(self, X) -> None:
+        """Refuse other or reordered columns than ``X_train``'s (as the estimators'
+        verbs refuse them; an array of values warns that it has none). Without names
+        in ``X_train`` any ``X`` passes as it did: nothing was declared to check."""
+        if hasattr(self, "feature_names_in_"):
+            _check_feature_names(self, X, reset=False)
 
     @property
     def network_(self) -> TrainedNetwork:
@@ -1999,6 +2036,7 @@ class RecordedNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributes
         # without it any (n, ...) array the module runs is taken (scikit-learn's
         # validate_data would read an n_features_in_ it does not have).
         net = self._network()
+        self._check_names(X)
         X = net.check(X)
         check_representable(X, net.torch_dtype)
         return X
@@ -2028,6 +2066,38 @@ class RecordedNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributes
         """
         return self._tangent_features(X)
 
+    def get_feature_names_out(self, input_features=None):
+        """Names of the tangent features: ``"<parameter>[<index>]"``, e.g. ``"0.weight[3]"``.
+
+        With several outputs, ``"out<c>:<parameter>[<index>]"``, as the estimators'.
+        The outputs are counted on the first sample of ``X_train`` (an own loop declares
+        none), which is needed: without it, a ``ValueError``. Also what
+        ``set_output(transform="pandas")`` names :meth:`transform`'s columns with.
+
+        Parameters
+        ----------
+        input_features : array-like of str or None, default=None
+            Only checked against ``feature_names_in_`` (or ``n_features_in_``), as
+            scikit-learn's transformers do; the names come from the network's parameters.
+
+        Returns
+        -------
+        feature_names_out : ndarray of str objects
+        """
+        X_fit = self._network().X_fit
+        if X_fit is None or not len(X_fit):
+            raise ValueError(
+                "get_feature_names_out counts the network's outputs on a sample of "
+                "X_train, which this RecordedNetwork was made without: pass X_train "
+                "(PathRecorder.as_estimator(X_train, ...)).")
+        _check_feature_names_in(self, input_features, generate_names=False)
+        return tangent_feature_names(self.trajectory_, self._outputs_per_sample(X_fit))
+
+    def __sklearn_tags__(self):
+        # Tangent features come out in the network's dtype, whatever X's (after
+        # TransformerMixin's preserves_dtype=["float64"]).
+        return declare_feature_dtype(super().__sklearn_tags__(), self)
+
     def predict(self, X) -> np.ndarray:
         """Network outputs ``f(X; theta_T)`` at the last recorded point.
 
@@ -2041,6 +2111,7 @@ class RecordedNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributes
         outputs : ndarray of shape (n_samples, n_outputs)
             The raw network outputs (logits for a classification loss).
         """
+        self._check_names(X)
         return warn_not_finite(self._network().outputs(X))
 
     @shared_doc(DECOMPOSE, note=_DECLARED, X=_X_TRAIN_FORM, extra_params="", raises="",
@@ -2048,6 +2119,7 @@ class RecordedNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributes
     def decompose(self, X, *, method: str = "exact", weighting: str = "realized",
                   n_nodes: int | None = None, tol: float | None = None,
                   n_jobs: int | None = None):
+        self._check_names(X)
         return self._network().decompose(X, method=method, weighting=weighting,
                                          n_nodes=n_nodes, tol=tol, n_jobs=n_jobs)
 
@@ -2068,6 +2140,7 @@ class RecordedNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributes
     def attribute(self, X, y=None, *, method: str = "exact", weighting: str = "realized",
                   output=None, n_nodes: int | None = None, tol: float | None = None,
                   n_jobs: int | None = None) -> np.ndarray:
+        self._check_names(X)
         return self._network().attribute(X, y, method=method, weighting=weighting,
                                           output=output, n_nodes=n_nodes, tol=tol,
                                           n_jobs=n_jobs)
@@ -2107,6 +2180,7 @@ class RecordedNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributes
         contributions : ndarray of shape (n_queries, n_neighbors, n_explained)
             Their contributions: one column for a scalar output, ``n_outputs`` for "all".
         """
+        self._check_names(X)
         return self._network().explain(X, n_neighbors, method=method, output=output,
                                         n_jobs=n_jobs)
 

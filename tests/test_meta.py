@@ -930,3 +930,47 @@ def test_sample_weight_reaches_the_trainer_of_an_unfrozen_pipeline(circle, routi
     np.testing.assert_allclose(_final(est), _final(own), rtol=1e-9, atol=1e-12)
     unweighted = PathKernelClassifier(**SMALL).fit(_by_hand(X, X), y)
     assert not np.allclose(_final(est), _final(unweighted), rtol=1e-6)
+
+
+@pytest.mark.parametrize("wrap", ["trainer", "pipeline"])
+@pytest.mark.parametrize("cls", [TangentFeatures, OODRankDetector], ids=lambda c: c.__name__)
+def test_kneighbors_of_a_frozen_trainer_indexes_the_x_given_to_fit(cls, wrap, circle):
+    # The frozen network was trained on all 60 rows; the meta-estimator is fitted on 15
+    # of them (its X_fit_, the span's points): kneighbors' indices index those 15, with
+    # the neighbours of highest normalized kernel among them, by hand.
+    X, y = _scaled_data(circle)
+    if wrap == "pipeline":
+        fitted = make_pipeline(StandardScaler(), PathKernelClassifier(**SMALL)).fit(X, y)
+        clf, to_net = fitted[-1], (lambda A: _by_hand(X, A))
+    else:
+        fitted = clf = PathKernelClassifier(**SMALL).fit(X, y)
+        to_net = (lambda A: A)
+    X_span, Xq = X[10:25], X[40:44]
+    est = cls(FrozenEstimator(fitted)).fit(X_span)
+    assert len(est.X_fit_) == len(X_span)
+    phi, phi_q = (features_loop(module_at(clf), to_net(A)) for A in (X_span, Xq))
+    cos = _unit(phi_q) @ _unit(phi).T
+    dist, ind = est.kneighbors(Xq, n_neighbors=4)
+    np.testing.assert_array_equal(ind, np.argsort(-cos, axis=1, kind="stable")[:, :4])
+    np.testing.assert_allclose(dist, np.sqrt(np.maximum(
+        2 - 2 * np.take_along_axis(cos, ind, axis=1), 0)), rtol=1e-7, atol=1e-9)
+    # Without X: every span point's neighbours among the other span points.
+    cos = _unit(phi) @ _unit(phi).T
+    np.fill_diagonal(cos, -np.inf)
+    np.testing.assert_array_equal(est.kneighbors(n_neighbors=3, return_distance=False),
+                                  np.argsort(-cos, axis=1, kind="stable")[:, :3])
+
+
+def test_kneighbors_of_the_detector_skips_the_rows_of_weight_zero(circle):
+    # The detector's X_fit_ keeps the rows of positive weight: kneighbors indexes them,
+    # not the trainer's training set (all the rows).
+    X, y = _scaled_data(circle)
+    w = np.ones(len(X))
+    w[::3] = 0
+    det = OODRankDetector(PathKernelClassifier(**SMALL)).fit(X, y, sample_weight=w)
+    np.testing.assert_array_equal(det.X_fit_, X[w > 0])
+    clf = det.estimator_
+    phi, phi_q = (features_loop(module_at(clf), A) for A in (X[w > 0], X[:5]))
+    cos = _unit(phi_q) @ _unit(phi).T
+    ind = det.kneighbors(X[:5], n_neighbors=3, return_distance=False)
+    np.testing.assert_array_equal(ind, np.argsort(-cos, axis=1, kind="stable")[:, :3])

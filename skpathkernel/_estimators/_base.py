@@ -515,9 +515,13 @@ class FittedNetworkMixin:
         ((20, 3), False)
         """
         check_is_fitted(self)
-        return network_of(self).kneighbors(
+        return self._neighbour_network().kneighbors(
             None if X is None else self._validate_X(X), n_neighbors, kernel=kernel, step=step,
             normalized=normalized, return_distance=return_distance)
+
+    def _neighbour_network(self) -> TrainedNetwork:
+        """The network whose ``X_fit`` :meth:`kneighbors` searches: ``X_fit_``'s."""
+        return network_of(self)
 
 
 def _feature_blocks(module, params, X_t, output, budget, exclude, block, projection):

@@ -260,6 +260,14 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
     def _trained_by(self):
         return self._network_estimator
 
+    def _neighbour_network(self):
+        # kneighbors' indices index X_fit_, which the trainer's network need not hold: a
+        # frozen trainer's is the X of its own earlier fit (not this fit's X), and the
+        # detector keeps only the rows of positive weight. Searched there, indices past
+        # len(X_fit_) or of other rows came back without a word.
+        return network_of(self).replace(X_fit=self.X_fit_, y_fit=None, sample_weight=None,
+                                        _unread_fit=None)
+
     # ------------------------------------------------------------------ the trainer
     def _trainer(self):
         """``(trainer or None, frozen)``: the ``estimator`` parameter, unwrapped.

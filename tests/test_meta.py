@@ -974,3 +974,35 @@ def test_kneighbors_of_the_detector_skips_the_rows_of_weight_zero(circle):
     cos = _unit(phi_q) @ _unit(phi).T
     ind = det.kneighbors(X[:5], n_neighbors=3, return_distance=False)
     np.testing.assert_array_equal(ind, np.argsort(-cos, axis=1, kind="stable")[:, :3])
+
+
+class _FlatNet(torch.nn.Sequential):
+    """A module factory for (n, 2, 3) inputs: flattened, then a small MLP."""
+
+    def __init__(self, n_features_in, n_outputs):
+        super().__init__(torch.nn.Flatten(), torch.nn.Linear(6, 4), torch.nn.Tanh(),
+                         torch.nn.Linear(4, n_outputs))
+
+
+def test_a_frozen_search_of_images_counts_the_values_per_sample():
+    # n_features_in_ is the values per sample of an (n, ...) input, as for the trainer
+    # alone (scikit-learn's count, shape[1], said 2 and refused every flat row of 6 with
+    # "X has 6 features, but ... is expecting 2"); the features are the best network's.
+    rng = np.random.RandomState(0)
+    X = rng.randn(30, 2, 3)
+    y = X.reshape(30, -1).sum(axis=1)
+    trainer = PathKernelMachine(module=_FlatNet, max_iter=5, tol=None, random_state=0,
+                                dtype="float64")
+    search = GridSearchCV(trainer, {"alpha": [0.0, 0.1]}, cv=2).fit(X, y)
+    est = TangentFeatures(FrozenEstimator(search)).fit(X)
+    alone = TangentFeatures(FrozenEstimator(search.best_estimator_)).fit(X)
+    assert est.n_features_in_ == alone.n_features_in_ == 6
+    assert est.input_shape_ == (2, 3)
+    np.testing.assert_allclose(est.transform(X[:4]),
+                               features_loop(module_at(search.best_estimator_), X[:4]),
+                               rtol=1e-10, atol=1e-12)
+    # A flat row of the 6 values is refused as the trainer alone refuses it.
+    with pytest.raises(ValueError, match=r"shape \(n_samples, 2, 3\)"):
+        est.transform(X[:3].reshape(3, 6))
+    with pytest.raises(ValueError, match=r"shape \(3, 2, 4\)"):
+        est.transform(rng.randn(3, 2, 4))

@@ -30,6 +30,8 @@ before, and refuses any other keyword as ``BaggingRegressor`` does.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from sklearn.base import BaseEstimator, MetaEstimatorMixin, clone
 from sklearn.frozen import FrozenEstimator
@@ -544,8 +546,13 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         ``network_``'s)."""
         self.__dict__.pop("n_features_in_", None)
         _check_feature_names(self, X, reset=True)
-        _check_n_features(self, X, reset=True)  # none for inputs without a width
         shape = getattr(X, "shape", None)
+        if shape is not None and len(shape) > 2:
+            # The values per sample of an (n, ...) input, as validate_input counts them
+            # (scikit-learn's count is shape[1], the channels of an image).
+            self.n_features_in_ = int(math.prod(shape[1:]))
+        else:
+            _check_n_features(self, X, reset=True)  # none for inputs without a width
         if shape is not None and len(shape) > 1:
             self.input_shape_ = tuple(int(d) for d in shape[1:])
         elif hasattr(self, "n_features_in_"):
@@ -564,8 +571,12 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         # scikit-learn's "Reshape your data".
         _check_feature_names(self, X, reset=False)
         shape = getattr(X, "shape", None)
-        if shape is None or len(shape) > 1:
+        if shape is None or len(shape) == 2:
             _check_n_features(self, X, reset=False)
+        elif len(shape) > 2 and tuple(shape[1:]) != self.input_shape_:
+            raise ValueError(
+                f"X has shape {tuple(shape)}, but {type(self).__name__} is expecting X of "
+                f"shape (n_samples, {', '.join(map(str, self.input_shape_))}), as at fit.")
         holder, X = pipeline_last_step(wrapper, X)
         net = self.network_
         check_column_names(holder, X)

@@ -939,16 +939,17 @@ def test_kneighbors_of_a_frozen_trainer_indexes_the_x_given_to_fit(cls, wrap, ci
     # of them (its X_fit_, the span's points): kneighbors' indices index those 15, with
     # the neighbours of highest normalized kernel among them, by hand.
     X, y = _scaled_data(circle)
-    if wrap == "pipeline":
+    piped = wrap == "pipeline"
+    if piped:
         fitted = make_pipeline(StandardScaler(), PathKernelClassifier(**SMALL)).fit(X, y)
-        clf, to_net = fitted[-1], (lambda A: _by_hand(X, A))
+        clf = fitted[-1]
     else:
         fitted = clf = PathKernelClassifier(**SMALL).fit(X, y)
-        to_net = (lambda A: A)
     X_span, Xq = X[10:25], X[40:44]
     est = cls(FrozenEstimator(fitted)).fit(X_span)
     assert len(est.X_fit_) == len(X_span)
-    phi, phi_q = (features_loop(module_at(clf), to_net(A)) for A in (X_span, Xq))
+    phi, phi_q = (features_loop(module_at(clf), _by_hand(X, A) if piped else A)
+                  for A in (X_span, Xq))
     cos = _unit(phi_q) @ _unit(phi).T
     dist, ind = est.kneighbors(Xq, n_neighbors=4)
     np.testing.assert_array_equal(ind, np.argsort(-cos, axis=1, kind="stable")[:, :4])

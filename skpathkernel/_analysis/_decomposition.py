@@ -1164,9 +1164,9 @@ class _StackedCapture:
         torch's batched GEMM of one matrix is its plain GEMM, another kernel than the
         batched one of two or more: a float32 pass of one point rounded apart from the
         same point's in a pass of several (the last layer's matrix-vector product of a
-        one-output network, 1e-7 relative; a step's contributions 1.6e-9 relative off),
-        where passes of 2 to 32 points agree bit for bit (1 to 16 threads, AVX2, torch
-        2.13). A step's captures then depend on the block of steps or nodes it was
+        one-output network; a range of one step's contributions 1.6e-9 and 6.5e-9
+        relative off the serial call's), where passes of 2 to 32 points agree bit for
+        bit (1 to 16 threads, AVX2, torch 2.13). A step's captures then depend on the block of steps or nodes it was
         captured in, which a range of steps cuts apart from the serial call's
         (benchmarks/results/decompose_cuts-s56.md)."""
         if thetas.shape[0] != 1:

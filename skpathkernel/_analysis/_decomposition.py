@@ -1166,9 +1166,9 @@ class _StackedCapture:
         same point's in a pass of several (the last layer's matrix-vector product of a
         one-output network; a range of one step's contributions 1.6e-9 and 6.5e-9
         relative off the serial call's), where passes of 2 to 32 points agree bit for
-        bit (1 to 16 threads, AVX2, torch 2.13). A step's captures then depend on the block of steps or nodes it was
-        captured in, which a range of steps cuts apart from the serial call's
-        (benchmarks/results/decompose_cuts-s56.md)."""
+        bit (1 to 16 threads, AVX2, torch 2.13). A step's captures then depend on the
+        block of steps or nodes it was captured in, which a range of steps cuts apart
+        from the serial call's (benchmarks/results/decompose_cuts-s56.md)."""
         if thetas.shape[0] != 1:
             return thetas, X
         return thetas.expand(2, -1), X.expand(2, *X.shape[1:]) if X.dim() == 3 else X
@@ -1396,6 +1396,12 @@ class _Context:
         out = out[:len(block)]
         r = self.loss.residuals(out.flatten(0, 1), self.Y_train[idx.flatten()])
         per_step = self.stacked.backward(cache, r.view(*out.shape[:2], 1, -1))
+        if len(thetas) > len(block):
+            # The step's own copy: views of the pass of two would keep both points'
+            # storage alive with the captures kept for the next query block.
+            per_step = [[Flat(t.delta.clone(), [(name, None if a is None else a.clone())
+                                                for name, a in t.inputs])
+                         for t in per_step[0]]]
         for (s, _), sub, w_sub, terms in zip(block, idx, w, per_step):
             self._ahead[s] = (sub, w_sub, terms, [t.delta[:, 0] for t in terms])
 

@@ -846,7 +846,9 @@ def test_blocks_of_steps_give_the_step_by_step_numbers(data, name, batch_size, d
                 run = []
             run.append(t)
         expected.append(len(run))
-        assert passes["batch"] == expected * 2
+        # Where a pass holds two steps, a block of one runs as a pass of two (torch's
+        # batched GEMM of one matrix is another kernel: _StackedCapture.batched).
+        assert passes["batch"] == [max(k, 2) if block > 1 else k for k in expected] * 2
         if block == 3 and batch_size == 4:  # steps 8 to 6 and 4 to 2: two epochs each
             assert expected == [3, 3, 3, 3]
         # The fixed count's nodes: 4 per step and the per-contribution check's 5, blocks
@@ -854,6 +856,11 @@ def test_blocks_of_steps_give_the_step_by_step_numbers(data, name, batch_size, d
         assert passes["nodes"][: -(-T // block)] == [9 * len(range(t, max(-1, t - block), -1))
                                                       for t in range(T - 1, -1, -block)]
     fixed_1, adaptive_1 = results[1]
+    # Blocks of 2 and 3 steps (and their blocks of one, passed as two): the same
+    # numbers, bit for bit in float32 too.
+    for a, b in zip(results[2], results[3]):
+        assert_array_equal(a.contributions, b.contributions)
+        assert_array_equal(a.regularization, b.regularization)
     for block in (2, 3):
         fixed, adaptive = results[block]
         for a, b in ((fixed, fixed_1), (adaptive, adaptive_1)):
@@ -1068,7 +1075,8 @@ def test_kept_batches_are_charged_once_per_storage(room, monkeypatch):
 
     def spy_forward(self, thetas, X_rows):
         if X_rows.dim() == 3:  # own rows per point: a pass over steps' batches
-            captured.append(len(thetas))
+            # (a step alone runs as two, the point repeated: a view of stride 0)
+            captured.append(len(thetas) if thetas.stride(0) else 1)
         return forward(self, thetas, X_rows)
 
     monkeypatch.setattr(interpolation._Context, "__init__", spy_init)

@@ -64,10 +64,14 @@ walk takes next, each at its own parameters with its own rows, in one stacked pa
 (:meth:`_Context._capture_ahead`), and a chunk's queries at the nodes of the next steps
 (:class:`_NodesAhead`), at the count its step before ended with, which the next steps
 try first unless they try one node less (every fifth step at least); a lowered or raised
-try captures its step alone. A point's batched GEMMs are the single point's, so the
-captures are those of the step alone to rounding (bit for bit on the default
-classifier; within an ulp in float64, measured 1e-16 relative on a small path; a float32
-batched GEMM may round as another kernel, 6e-9 relative measured on a small SGD path).
+try captures its step alone. A point's products in a pass of two points or more are the
+same whatever the pass (torch's batched GEMM: bit for bit, 2 to 32 points measured), but
+torch runs a pass of one point as a plain GEMM, another kernel (float32 contributions
+6e-9 relative apart on a small SGD path): where the room holds two points, a pass of
+one runs as two (:meth:`_StackedCapture.batched`), so that a step's captures do not
+depend on the block it falls in, and a range of steps on a worker gives the serial
+call's numbers. Where the budget holds one step a pass, every call captures every
+step alone.
 What stays per step is the float64 arithmetic that reads the step's direction or its
 chunk's node choice (the products with the step, the adjoint's update and contraction,
 plain SGD's shares).
@@ -1152,13 +1156,31 @@ class _StackedCapture:
             out.append(terms)
         return out
 
-    def capture(self, thetas, X, weights, outputs):
+    @staticmethod
+    def batched(thetas: torch.Tensor, X: torch.Tensor):
+        """``thetas`` (B, P) and ``X`` as a pass of two points at least: one point
+        repeated (a view, no copy), whose first is then taken.
+
+        torch's batched GEMM of one matrix is its plain GEMM, another kernel than the
+        batched one of two or more: a float32 pass of one point rounded apart from the
+        same point's in a pass of several (the last layer's matrix-vector product of a
+        one-output network; a range of one step's contributions 1.6e-9 and 6.5e-9
+        relative off the serial call's), where passes of 2 to 32 points agree bit for
+        bit (1 to 16 threads, AVX2, torch 2.13). A step's captures then depend on the
+        block of steps or nodes it was captured in, which a range of steps cuts apart
+        from the serial call's (benchmarks/results/decompose_cuts-s56.md)."""
+        if thetas.shape[0] != 1:
+            return thetas, X
+        return thetas.expand(2, -1), X.expand(2, *X.shape[1:]) if X.dim() == 3 else X
+
+    def capture(self, thetas, X, weights, outputs, two=False):
         """The terms at every point of ``thetas`` (a list of flat vectors, or their stack
-        (B, P)) of the ``outputs``, or of ``w_n . f(x_n)`` (``weights`` (N, C))."""
+        (B, P)) of the ``outputs``, or of ``w_n . f(x_n)`` (``weights`` (N, C)); with
+        ``two``, one point as a pass of two (:meth:`batched`)."""
         thetas = thetas if torch.is_tensor(thetas) else torch.stack(list(thetas))
-        out, cache = self.forward(thetas, X)
+        out, cache = self.forward(*self.batched(thetas, X)) if two else self.forward(thetas, X)
         return self.backward(cache, self.seed(weights, X.shape[0], outputs, out.shape[-1],
-                                              out.dtype, out.device))
+                                              out.dtype, out.device))[:len(thetas)]
 
     @staticmethod
     def seed(weights, n, outputs, n_final, dtype, device):
@@ -1247,12 +1269,14 @@ class _Context:
             if stacked.matches(self, theta, X_train[:2], w):
                 self.stacked = stacked
 
-    def capture_nodes(self, thetas, X, weights=None):
+    def capture_nodes(self, thetas, X, weights=None, two=False):
         """:meth:`capture` at several points (a step's quadrature nodes): one batched
-        pass for a plain MLP."""
+        pass for a plain MLP; ``two``: one point as a pass of two, where the room holds
+        two (the captures of a point then those of any pass of several it falls in:
+        :meth:`_StackedCapture.batched`)."""
         if self.stacked is None:
             return [self.general_capture(theta, X, weights) for theta in thetas]
-        return self.stacked.capture(thetas, X, weights, self.outputs)
+        return self.stacked.capture(thetas, X, weights, self.outputs, two)
 
     def capture(self, flat, X, weights=None):
         """Factors of the rows X, of every output or of ``w_n . f(x_n)`` (``weights``)."""
@@ -1334,7 +1358,8 @@ class _Context:
         most ``STEP_BLOCK`` of them within an eighth of the memory budget
         (:meth:`ahead_steps`): one stacked forward and backward over the steps'
         parameters, each with its own batch (the residuals in one pass too). Each step's
-        terms are those of its own pass: a point's batched GEMMs are the single point's."""
+        terms are those of any pass of two steps or more it falls in (a block of one
+        runs as two where the room holds two: :meth:`_StackedCapture.batched`)."""
         walk = self._walk
         if walk is None:
             first, stop = self.intervals
@@ -1361,9 +1386,22 @@ class _Context:
         thetas = torch.stack(points, out=self.held.get(
             "batch points", (len(points), *points[0].shape), points[0].dtype))
         idx = torch.stack(idx)
-        out, cache = self.stacked.forward(thetas, self.X_train[idx])
+        X = self.X_train[idx]
+        if n > 1:
+            # A block of one step (a range's only step, the last of a walk) as a pass of
+            # two, so that the step's captures are those of any block it falls in; where
+            # the budget holds one step a pass, every call captures every step alone.
+            thetas, X = self.stacked.batched(thetas, X)
+        out, cache = self.stacked.forward(thetas, X)
+        out = out[:len(block)]
         r = self.loss.residuals(out.flatten(0, 1), self.Y_train[idx.flatten()])
         per_step = self.stacked.backward(cache, r.view(*out.shape[:2], 1, -1))
+        if len(thetas) > len(block):
+            # The step's own copy: views of the pass of two would keep both points'
+            # storage alive with the captures kept for the next query block.
+            per_step = [[Flat(t.delta.clone(), [(name, None if a is None else a.clone())
+                                                for name, a in t.inputs])
+                         for t in per_step[0]]]
         for (s, _), sub, w_sub, terms in zip(block, idx, w, per_step):
             self._ahead[s] = (sub, w_sub, terms, [t.delta[:, 0] for t in terms])
 
@@ -1628,8 +1666,9 @@ class _NodesAhead:
     made together with those of the next steps of the walk at the same count (at most
     ``STEP_BLOCK`` steps), one stacked pass for the block. A lowered try, a raised one,
     a chunk's first step and the capture engine's captures (no set-up to share there)
-    capture the step alone. A point's batched GEMMs are the single point's, so every
-    capture is the one the step alone would make, to rounding (see *Captures* in the
+    capture the step alone. A point's products are those of any pass of two points or
+    more it falls in, and a pass of one point runs as two where the room holds two, so
+    that every capture is the one the step alone would make (see *Captures* in the
     module's docstring). With ``at_start`` (``method="first_order"``) the one point of
     step ``t`` is ``theta_t`` itself, captured for blocks of steps the same way.
 
@@ -1721,11 +1760,13 @@ class _NodesAhead:
         steps = range(j, max(self.lo, ctx.floor(j), j - size + 1) - 1, -1)
         if len(steps) == 1 and width > ctx.node_points:
             # More nodes than the plan's room for parameter points: captured a group at
-            # a time (a point's batched GEMMs are the single point's), the points of one
-            # group held (all of a try's at once, with those of the step's earlier tries,
-            # put a small Adam path at 1.25x a 200 kB budget).
+            # a time (a point's products those of any pass of two points or more; a
+            # group of one runs as two), the points of one group held (all of a try's at
+            # once, with those of the step's earlier tries, put a small Adam path at
+            # 1.25x a 200 kB budget).
             return [c for k in range(0, width, ctx.node_points) for c in ctx.capture_nodes(
-                self._step_points(n, slice(k, k + ctx.node_points)), X, W)]
+                self._step_points(n, slice(k, k + ctx.node_points)), X, W,
+                two=ctx.node_points > 1)]
         points = self._step_points(n)
         if len(steps) > 1:
             # The earlier steps' points, read once for the block; theta_j ends the last.
@@ -1743,7 +1784,9 @@ class _NodesAhead:
                     continue
                 self._segment(theta, params[i + 1 - steps[-1]], s, dest, "block")
             points = block
-        made = ctx.capture_nodes(points, X, W)
+        # A step alone (a range's first, a chunk's) where the room holds a block: its
+        # one point (theta_t with at_start) as a pass of two, as in a block.
+        made = ctx.capture_nodes(points, X, W, two=size > 1)
         if len(steps) > 1:
             block = [_nbytes(made), len(steps) - 1]
             self.alive += block[0]

@@ -460,30 +460,37 @@ def test_float32_contribution_error_counts_the_round_off(tmp_path):
     """On a float32 path a contribution's error is mostly the round-off of the float32
     factors its shares are computed from, which the two rules' difference does not
     measure. On converged full-batch Adam two training points' own contributions miss
-    the float64 reference of the same recorded path by about 1e-6 * S (measured 1.1x on
-    an Intel Xeon, 0.48x on an AMD EPYC: the round-off depends on the CPU's kernels),
-    which the difference read at 0.014 of it, unwarned: contribution_error is now
-    at least the true error, and tol=1e-6, asked for explicitly, is warned of with
-    float64 as the fix. With tol=None it is checked at float32's round-off floor,
-    1e-5 * S, which the true error is under: no warning."""
+    the float64 reference of the same recorded path by about 1e-6 * S to 1e-5 * S (1.1e-6
+    on an Intel Xeon, 8.1e-6 on an AMD EPYC: the float32 fits differ), which the
+    difference read at 0.014 of it, unwarned. Nearly all of it is the round-off of the
+    batches' loss residuals (f(x_i) rounds by about eps |f|, the residual near
+    convergence is a small part of f), the same at every step
+    (benchmarks/results/roundoff_model-s56.md): contribution_error, which now measures
+    it, is at least twice the true error, and warns of float64 as the fix with tol=1e-6
+    and with tol=None (checked at float32's floor, 1e-5 * S) alike where the estimate
+    cannot be certified under it: at 2 x 0.81 of 1e-5 * S (the EPYC's) a bound with a
+    margin is over it. (The fixed 15 eps sum_t |share_t| before read 1.15x, 3 0.23x.)"""
     est, _ = _converged_full_batch_adam(seed=1, dtype="float32")
     Xq = network_of(est)._training_data()[0][:2].double().numpy()
     ref = _float64_reference(est, Xq, tmp_path)
     S = _path_scale(est, Xq)
     with pytest.warns(PrecisionWarning, match='dtype="float64"'):
         strict = est.decompose(Xq, tol=1e-6)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", PrecisionWarning)
-        warnings.simplefilter("error", ConvergenceWarning)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
         res = est.decompose(Xq)
     true = np.abs(res.contributions - ref).max()
     assert np.abs(ref).max() > 2 * np.abs(res.prediction).max()  # the shares cancel
-    # The round-off is of the order of 1e-6 * S on every CPU seen, not above it on all.
+    # The round-off is of the order of 1e-6 * S on every CPU seen, not above 1e-5 * S.
     assert 1e-7 * S < true < 1e-5 * S
     for r in (strict, res):
-        assert true <= r.contribution_error <= 30 * true
+        assert 2 * true <= r.contribution_error <= 30 * true
     assert (strict.contribution_tol, res.contribution_tol) == (1e-6, 1e-5)
     assert res.tol == 1e-6  # the nodes are chosen for the default tol still
+    # Silent where the estimate is under float32's floor, a PrecisionWarning (not a
+    # request for more nodes) where it is over.
+    over = res.contribution_error > 1e-5 * S
+    assert [w.category for w in rec] == ([PrecisionWarning] if over else [])
 
 
 def test_float32_default_path_counts_the_round_off_unwarned(tmp_path):
@@ -854,6 +861,36 @@ def test_dense_route_counts_the_float32_round_off_as_the_others(tmp_path, monkey
     assert checks.difference < true  # the difference alone does not bound it
     assert true <= dense.contribution_error <= 30 * true
     assert checks.roundoff > 0
-    np.testing.assert_allclose(checks.roundoff, adjoint_checks.roundoff, rtol=1e-3)
+    # Each route measures the round-off of its own float32 residuals (the stacked
+    # engine's forward and the module's round f apart in the last bits).
+    np.testing.assert_allclose(checks.roundoff, adjoint_checks.roundoff, rtol=1e-2)
     with pytest.warns(PrecisionWarning, match='dtype="float64"'):
         est.decompose(Xq, tol=1e-6)
+
+
+def test_float32_round_off_estimate_follows_a_worse_rounding(tmp_path, monkeypatch):
+    """A host whose float32 kernels round more: simulated by a known systematic error
+    of 60 eps32 in every float32 loss residual of the batches (what a forward that
+    rounds f 60x worse does to a small residual, at every step alike). The
+    contributions then miss the float64 reference of the same path by more, and
+    contribution_error measures that too (a fixed multiple of eps sum_t |share_t|,
+    15 before, read under it: a host rounding 1.25x worse broke it)."""
+    est, _ = _converged_full_batch_adam(seed=1, dtype="float32")
+    net = network_of(est)
+    Xq = net._training_data()[0][:2].double().numpy()
+    ref = _float64_reference(est, Xq, tmp_path)
+    eps = float(torch.finfo(torch.float32).eps)
+    real = net.loss.residuals
+
+    def worse(output, target):
+        r = real(output, target)
+        return r * (1 + 60 * eps) if r.dtype == torch.float32 else r
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = est.decompose(Xq)
+        monkeypatch.setattr(net.loss, "residuals", worse)
+        res = est.decompose(Xq)
+    true = np.abs(res.contributions - ref).max()
+    assert true > 2 * np.abs(plain.contributions - ref).max()  # the rounding is worse
+    assert 2 * true <= res.contribution_error <= 30 * true

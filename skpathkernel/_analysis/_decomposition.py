@@ -182,17 +182,27 @@ the adjoint's float32 sums over steps), which the two rules' difference, taken f
 same factors, does not see: against a float64 16-node reference of the same recorded
 path it read 0.33x the true error on the default classifier on digits and 0.0137 of
 ``1e-6 * S`` against a true 1.1 on converged full-batch Adam with training points as
-queries (``benchmarks/results/contribution_roundoff.md``). Each contribution's
-difference is reported with an estimate of it added, ``ROUNDOFF * eps32 *
-sum_t |share_t|`` (the sum taken in the walk, beside the contributions). An estimate,
-not a bound, and the round-off depends on the CPU's float32 kernels: ROUNDOFF = 15 since
-an AVX2-only AMD EPYC erred 4.3x over the former 3's estimate on converged full-batch
-Adam; at 3 it read 1.7-27.1x the true error over the 39 audited float32 paths
-(``benchmarks/results/contribution_roundoff-s45.md``); over 46 with 1800-step Adam and
-momentum SGD, 1.7-27.1x against that reference and 2.65-52x against one whose batch
-gradients are float32's, as the training's were, which closes to the decomposition's
-own closure where the float64 one does not (Adam: a gradient near 0 steps by its
-float32 value; ``benchmarks/results/contribution_roundoff-s46.md``). It is checked against what
+queries (``benchmarks/results/contribution_roundoff.md``). Most of it is the round-off
+of the batches' float32 loss residuals (``benchmarks/results/roundoff_model-s56.md``):
+f(x_i) rounds by about eps |f| whatever the CPU's kernels (MKL's SSE2 path and ATen's
+default capability left it unchanged), near convergence the residual is a small part of
+f, and where the parameters barely move it rounds alike at every step, so its relative
+round-off (median 5-7 eps32 on converged full-batch Adam, 69-99 at the 90th
+percentile) adds up in each share, which is linear in it (the first-order prediction
+``sum_t share_t dr_t / r_t`` matched the true errors with correlation 0.97-0.996; with
+residuals from a float64 forward they fell 5.7-53x). So each contribution's difference
+is reported with its round-off added, ``sum_t |share_t| (ROUNDOFF eps32 + e_t)``
+(summed in the walk, beside the contributions): ``e_t`` the relative round-off of the
+training point's residual at step t, measured against a float64 forward of the batch
+(:meth:`_Context.rounding`), ROUNDOFF = 4 the other float32 factors' (at most 4.3 of
+the error left with float64 residuals on three converged full-batch Adam paths). An
+estimate, not a bound: 2.7x the true error on converged full-batch Adam (seed 1) on an
+AVX2-only AMD EPYC, where a fixed ``15 eps32 sum_t |share_t|`` read 1.15x and 3 read
+0.23x, and it follows a worse rounding (a residual error 60 eps32 more: 2.31x, where the
+fixed 15 read 0.41x). Over the 39 audited paths the fixed 3 read 1.7-27.1x the true
+error on an AVX-512 Xeon (``benchmarks/results/contribution_roundoff-s45.md``); against
+a reference whose batch gradients are float32's, as the training's were, 2.65-52x
+(``benchmarks/results/contribution_roundoff-s46.md``). It is checked against what
 float32 products can be checked to: the default tol, 1e-6, is about 8 eps32, at their
 round-off floor, and any coefficient that reaches the true error on every audited
 path also warned on default paths whose true error is under ``1e-6 * S``. So with
@@ -245,7 +255,8 @@ difference holds their round-off, of the shares' size, and the subtraction gaine
 A float32 path's round-off estimate (the shares' absolute values added per step into
 one more buffer of the contributions' size) cost 0.997x and 0.998x the time before it
 on the default classifier and regressor, within the runs' noise
-(``benchmarks/results/contribution_roundoff-s45-cost.md``).
+(``benchmarks/results/contribution_roundoff-s45-cost.md``); its float64 forward of each
+step's batch, for the residuals' round-off, costs what ``roundoff_model-s56.md`` gives.
 """
 
 from __future__ import annotations
@@ -299,22 +310,22 @@ MAX_NODES = 64
 # is the next rule not measured yet).
 CHECK_RAISES = 3
 RAISE = 2
-# A float32 path's round-off of one contribution, in eps times its steps' summed
-# absolute shares sum_t |w_i lambda_t . g_it|: what the two rules' difference does not
-# measure (each share's float32 factors, and the adjoint's float32 sums over steps, carry
-# a few roundings each). An estimate, not a bound: against a float64 16-node reference
-# of the same recorded paths, the largest contribution error needed up to 1.75 of these
-# beside the difference (benchmarks/results/contribution_roundoff.md, 39 float32 paths:
-# default models at 10 epochs and at full max_iter, more seeds, CNNs, converged
-# full-batch Adam with training points as queries, 60-epoch SGD); 3 left a margin for
-# paths not audited. A bound by the factors' norms held everywhere but read up to 271x
-# the error, over tol * S on the default classifier. The round-off depends on the CPU's
-# float32 kernels: on an AVX2-only AMD EPYC (Zen 3) converged full-batch Adam (seed 1,
-# two training points as queries) erred 1.24e-5 = 8.08e-6 S where 3 read 2.87e-6
-# (0.23x; seed 2: 0.69x), against 1.1e-6 S on an AVX-512 Xeon. 15 reads 1.15x there
-# (seed 2: 3.4x), still under FLOAT32_CHECK_TOL * S (0.93 of it), and 17.9x (was 3.8x)
-# on the default classifier's 10-epoch path: the audited ratios above scale by 5.
-ROUNDOFF = 15
+# A float32 path's round-off of one contribution beside its residuals' (measured at
+# every step, _Context.rounding), in eps32 times its steps' summed absolute shares
+# sum_t |w_i lambda_t . g_it|: the other float32 factors' (the batch's and the queries'
+# factors, the adjoint's float32 sums over steps: a few roundings each). With the
+# batches' residuals from a float64 forward, converged full-batch Adam (two training
+# points as queries, seeds 0-2, AVX2 AMD EPYC) erred up to 2.3, 3.5 and 4.3 of these
+# (benchmarks/results/roundoff_model-s56.md); with the adjoint in float64 and with
+# MKL's SSE2 kernels, as before. The fixed 15 that this replaced (3 on AVX-512 Xeons)
+# held the residuals' round-off too, which depends on the path (how small its
+# residuals get), not on a coefficient: 15 read 1.15x on one path and 0.41x on it with
+# a residual rounding 60 eps32 worse.
+ROUNDOFF = 4
+# A module that does not run in float64 (whose batches' residuals the walk cannot
+# measure against float64, see _Context.rounding): the round-off of its f, in eps |f|
+# (the most measured: 3.5 eps32 |f| on converged full-batch Adam).
+RESIDUAL_ROUNDOFF = 4
 # What a float32 path's contribution_error is checked against with tol=None, relative
 # to the largest |f| along the path: the round-off floor of float32 products (2e-7 to
 # 1e-5 relative, see default_tol), which the default tol of the node choice, 1e-6, sits
@@ -1254,6 +1265,9 @@ class _Context:
         self.node_points = max(node_points, min(MAX_NODES, (
             2 * node_points * point_bytes + left // 4) // max(2 * point_bytes, 1)))
         self._ahead, self._walk, self._at = {}, None, None
+        # A float32 path decomposed exactly measures its batches' residuals' round-off
+        # (see rounding).
+        self.roundoff = False
         # The parameter points of the batches captured ahead, stacked (_capture_ahead).
         self.held = _Scratch(self.device)
         # The first step a block of steps made ahead may reach back to from step j: a
@@ -1301,8 +1315,57 @@ class _Context:
         and per-sample loss gradients, ``weights`` the loss residuals)."""
         return dense_rows(self._terms(params, X, weights), self.layout, out)
 
+    def rounding(self, theta, sub, out, r, r64=None):
+        """Per row of the batch ``sub`` at ``theta``, the relative round-off of its
+        float32 loss residuals ``r`` (B, C) from the outputs ``out``: ``max_c |r_c -
+        r64_c| / max_c |r_c|`` against the residuals of a float64 forward pass at the
+        same point (the reference's float64 copy of the module, :class:`_Reference`),
+        0 where ``r`` is 0; None unless the call measures it (``roundoff``: a float32
+        path, ``method="exact"``). ``r64``: the float64 residuals where the caller made
+        them (:meth:`_residuals64`, over a block of steps at once).
+
+        The round-off of f(x_i) is absolute, 0.4-3.5 eps32 |f| measured, and near
+        convergence the residual is a small difference of f and its target: its
+        relative round-off was 5-7 eps32 at the median (point, step) of converged
+        full-batch Adam and 69-99 at the 90th percentile, the same at every step where the
+        parameters barely move, so it adds up over the path in each share (linear in
+        its residual): there it was nearly all of the contributions' error
+        (``benchmarks/results/roundoff_model-s56.md``). A module that does not run in
+        float64 is not measured: its f's round-off is taken as ``RESIDUAL_ROUNDOFF``
+        eps |f|, relative to the residual.
+        """
+        if not self.roundoff:
+            return None
+        r = r.reshape(out.shape[0], -1).to(torch.float64)
+        size = r.abs().amax(1)
+        if self.ref.upcast:
+            if r64 is None:
+                params = {k: v.to(torch.float64)
+                          for k, v in _params(self.traj, theta).items()}
+                r64 = self.loss.residuals(
+                    forward(self.ref.module, params, _wide(self.X_train[sub])),
+                    _wide(self.Y_train[sub]))
+            err = (r - r64.reshape(r.shape)).abs().amax(1)
+        else:
+            err = (RESIDUAL_ROUNDOFF * float(torch.finfo(out.dtype).eps)
+                   * out.reshape(out.shape[0], -1).abs().amax(1).to(torch.float64))
+        return torch.where(size > 0, err / size.clamp_min(1e-300), torch.zeros_like(size))
+
+    def _residuals64(self, thetas, idx):
+        """The float64 loss residuals (B, N, C) of the rows ``idx`` (N, or B x N: each
+        point's own) at the points ``thetas`` (B, P), by the stacked engine in one pass
+        and one call of the loss, where :meth:`rounding` measures against them; else
+        None."""
+        if not (self.roundoff and self.ref.upcast):
+            return None
+        idx = idx.view(-1, idx.shape[-1]).expand(thetas.shape[0], -1)
+        out = self.stacked.forward(thetas.to(torch.float64), _wide(self.X_train[idx]))[0]
+        r = self.loss.residuals(out.flatten(0, 1), _wide(self.Y_train[idx.flatten()]))
+        return r.view(*out.shape[:2], -1)
+
     def batches(self, t, theta):
-        """The step's batch in blocks: (indices, weights, factors, dhat) at theta_t."""
+        """The step's batch in blocks: (indices, weights, factors, dhat, rounding) at
+        theta_t (``rounding``: :meth:`rounding` of the block's rows, or None)."""
         kept = self._kept.get(t)
         if kept is not None:
             yield from kept
@@ -1332,16 +1395,20 @@ class _Context:
             Xb = self.X_train[sub]
             if self.stacked is not None:
                 # One batched forward gives the residuals and the backward's inputs.
+                r64 = self._residuals64(theta[None], sub)
                 out, cache = self.stacked.forward(theta[None], Xb)
                 r = self.loss.residuals(out[0], self.Y_train[sub])
                 terms = self.stacked.backward(cache, r[None, :, None, :])[0]
-                yield sub, w_sub, terms, [t.delta[:, 0] for t in terms]
+                yield (sub, w_sub, terms, [t.delta[:, 0] for t in terms],
+                       self.rounding(theta, sub, out[0], r, None if r64 is None else r64[0]))
                 continue
-            r = self.loss.residuals(forward(self.module, params, Xb), self.Y_train[sub])
+            out = forward(self.module, params, Xb)
+            r = self.loss.residuals(out, self.Y_train[sub])
             # The batch's factors enter only through their inputs and the loss-gradient
             # backprops dhat_i = sum_c r_ic delta_ic: one backward pass of r_i . f(x_i).
             terms = self.capture(theta, Xb, r)
-            yield sub, w_sub, terms, [t.delta[:, 0] for t in terms]
+            yield (sub, w_sub, terms, [t.delta[:, 0] for t in terms],
+                   self.rounding(theta, sub, out, r))
 
     def ahead_steps(self, rows: int, points: int, room: int) -> int:
         """How many steps one stacked pass captures ahead (1 to ``STEP_BLOCK``): each
@@ -1386,6 +1453,7 @@ class _Context:
         thetas = torch.stack(points, out=self.held.get(
             "batch points", (len(points), *points[0].shape), points[0].dtype))
         idx = torch.stack(idx)
+        r64 = self._residuals64(thetas, idx)
         X = self.X_train[idx]
         if n > 1:
             # A block of one step (a range's only step, the last of a walk) as a pass of
@@ -1402,8 +1470,11 @@ class _Context:
             per_step = [[Flat(t.delta.clone(), [(name, None if a is None else a.clone())
                                                 for name, a in t.inputs])
                          for t in per_step[0]]]
-        for (s, _), sub, w_sub, terms in zip(block, idx, w, per_step):
-            self._ahead[s] = (sub, w_sub, terms, [t.delta[:, 0] for t in terms])
+        r = r.view(*out.shape[:2], -1)
+        for k, ((s, _), sub, w_sub, terms) in enumerate(zip(block, idx, w, per_step)):
+            self._ahead[s] = (sub, w_sub, terms, [t.delta[:, 0] for t in terms],
+                              self.rounding(points[k], sub, out[k], r[k],
+                                            None if r64 is None else r64[k]))
 
 
 def _storages(blocks) -> dict[int, int]:
@@ -1426,6 +1497,11 @@ def _storages(blocks) -> dict[int, int]:
 def _nbytes(blocks) -> int:
     """Bytes of the distinct storages under the tensors of ``blocks``."""
     return sum(_storages(blocks).values())
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """A floating tensor in float64 (indices, token ids, as they are)."""
+    return x.to(torch.float64) if x.is_floating_point() else x
 
 
 def _as_float64(traj, flat) -> dict[str, torch.Tensor]:
@@ -1462,10 +1538,12 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
     # write per query and sample; see the module docstring).
     contrib = torch.zeros((N, n_rows, n_out), dtype=torch.float64, device=device)
     reg = torch.zeros((n_rows, n_out), dtype=torch.float64, device=device)
-    # A float32 path's contributions: sum_t |share_t| per contribution, the scale of
-    # their round-off (see _contribution_check).
+    # A float32 path's contributions: their round-off, sum_t |share_t| (ROUNDOFF eps +
+    # the relative round-off of its residual measured at the step: Context.rounding),
+    # see _contribution_check.
     size = (torch.zeros((N, n_q, n_out), dtype=torch.float64, device=device)
             if exact and traj.dtype != torch.float64 else None)
+    unit = ROUNDOFF * float(torch.finfo(traj.dtype).eps)
     parts = []
     for c_rows, quad in chunks:
         local = slice(c_rows.start - rows.start, c_rows.stop - rows.start)
@@ -1624,16 +1702,17 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                         reg[_shifted(c.local, n_q)] += moved * c.rho_theta_pair
             if route == "factor":
                 groups = _pair_groups(_share_groups(parts), exact, n_q, split=True)
-                for sub, w_sub, terms, dhat in ctx.batches(t, theta):
+                for sub, w_sub, terms, dhat, rel in ctx.batches(t, theta):
                     scale = (w_sub.to(torch.float64) * coef).view(-1, 1, 1)
                     for nodes, w, at in groups:
                         share = factor_shares(nodes, w, terms, dhat).mul_(scale)
                         contrib[:, at].index_add_(0, sub, share)
                         if size is not None and at.start < n_q:  # the rule's rows
-                            size[:, at].index_add_(0, sub, share.abs())
+                            size[:, at].index_add_(0, sub, share.abs().mul_(
+                                (rel + unit).view(-1, 1, 1)))
                 continue
             updated = False
-            for sub, w_sub, terms, dhat in ctx.batches(t, theta):
+            for sub, w_sub, terms, dhat, rel in ctx.batches(t, theta):
                 if not updated:
                     share, part = adjoint.step(groups, coef + lead, D, terms, dhat, decay)
                 else:
@@ -1643,7 +1722,8 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                 share = share.view(n_rows * n_out, -1).mul_(w_sub.to(share.dtype))
                 contrib.index_add_(0, sub, share.T.view(-1, n_rows, n_out))
                 if size is not None:
-                    size.index_add_(0, sub, share[: n_q * n_out].abs().T.view(-1, n_q, n_out))
+                    size.index_add_(0, sub, share[: n_q * n_out].abs().mul_(rel + unit)
+                                    .T.view(-1, n_q, n_out))
                 updated = True
             if not updated:  # a step without samples: the momentum still moves the parameters
                 _, part = adjoint.step(groups, coef + lead, D, None, None, decay)
@@ -2143,10 +2223,11 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
     G = torch.empty((min(ctx.b_block, N), 1, P), dtype=dtype, device=device)
     contrib = torch.zeros((n_q, N, n_res), dtype=torch.float64, device=device)
     reg = torch.zeros((n_q, n_res), dtype=torch.float64, device=device)
-    # A float32 path's contributions: sum_t |share_t| per contribution, the scale of
-    # their round-off, as the other routes take it (see _contribution_check).
+    # A float32 path's contributions: their round-off, as the other routes take it
+    # (see _contribution_check).
     size = (torch.zeros_like(contrib) if method == "exact" and dtype != torch.float64
             else None)
+    unit = ROUNDOFF * float(torch.finfo(dtype).eps)
     # The queries' weights as (Q, 1, C): one batched product contracts a Jacobian.
     Wq = None if ctx.weights is None else ctx.weights[rows]
 
@@ -2209,8 +2290,9 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
             idx, w = _step_points(traj, t, ctx.weighting, device)
             for b0 in range(0, len(idx), ctx.b_block):
                 sub = idx[b0 : b0 + ctx.b_block]
-                r = ctx.loss.residuals(forward(module, params, ctx.X_train[sub]),
-                                       ctx.Y_train[sub])
+                out = forward(module, params, ctx.X_train[sub])
+                r = ctx.loss.residuals(out, ctx.Y_train[sub])
+                rel = ctx.rounding(theta, sub, out, r)
                 # The per-sample loss gradients J_i^T r_i: one backward pass seeded with r.
                 g = ctx.seeded_rows(params, ctx.X_train[sub], r, G[: len(sub)])[:, 0]
                 if g.dtype != torch.float64:
@@ -2219,7 +2301,7 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
                 share = share.transpose(1, 2).double() * w[b0 : b0 + ctx.b_block, None]
                 contrib.index_add_(1, sub, share)
                 if size is not None:
-                    size.index_add_(1, sub, share.abs())
+                    size.index_add_(1, sub, share.abs().mul_((rel + unit)[None, :, None]))
             if lead:  # Nesterov's own-gradient term does not enter the memory
                 _add_scaled(lam, rho, D, -lead)
     return contrib, reg, size
@@ -2462,8 +2544,9 @@ def _contribution_check(walk, first, tol: float, *, adaptive: bool, chosen: bool
     measured by the rule with a node more (within the node's gain of its error). Each
     chunk of queries is judged on its own, as its node choice is, so that a block of
     the queries on a worker keeps the serial call's. On a float32 path each
-    contribution's error adds to its difference ``ROUNDOFF * eps * sum_t |share_t|``
-    (the walk's sums of the shares' sizes), the round-off that the difference, taken
+    contribution's error adds to its difference ``sum_t |share_t| (ROUNDOFF eps + e_t)``
+    (the walk's, ``e_t`` the relative round-off of the share's residual measured at its
+    step: :meth:`_Context.rounding`), the round-off that the difference, taken
     from the same float32 factors, does not measure; the raises judge the difference
     alone (more nodes do not cut round-off), and each chunk's round-off and difference
     alone are kept (``quads[c].roundoff``, ``.difference``) for the warning naming
@@ -2523,7 +2606,7 @@ def _contribution_check(walk, first, tol: float, *, adaptive: bool, chosen: bool
         if w[3][2] is not None:
             # The round-off that a node more does not measure, added to each
             # contribution's measured error (the raises above judge the quadrature).
-            roundoff = ROUNDOFF * q.eps * w[3][2][q.rows]
+            roundoff = w[3][2][q.rows]
             quad.roundoff = float(np.max(roundoff, initial=0.0))
             quad.difference = float(np.max(np.abs(w[3][0][q.rows]), initial=0.0))
             error[c] = float(np.max(np.abs(w[3][0][q.rows]) + roundoff, initial=0.0))
@@ -3216,7 +3299,7 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         # The exact method holds the check's rows beside them (_factored_block): the
         # adjoint, the contributions and the captures twice.
         copies = 2 if method == "exact" else 1
-        # A float32 path's exact method sums the shares' sizes too (N x C float64).
+        # A float32 path's exact method sums the shares' round-off too (N x C float64).
         sizes = method == "exact" and itemsize != 8
         q_bytes = (copies * (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N
                            + 4 * row) + 8 * n_res * N * sizes + f_bytes)
@@ -3311,6 +3394,7 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
                    point_bytes=P * itemsize, left=None if route == "dense" else left,
                    node_points=NODE_POINTS if route == "dense" else node_points)
     ctx.hvp_block = hvp_block if route == "dense" else 0
+    ctx.roundoff = method == "exact" and traj.dtype != torch.float64
     # The second order's route, once for the call (not at every step): None, all outputs
     # in one pass; else the outputs, one at a time, after the double-backward check.
     ctx.hvp_outputs = (None if method != "second_order" or _all_outputs_in_one_pass(module, traj)

@@ -17,7 +17,12 @@ from numpy.testing import assert_allclose
 from sklearn.datasets import load_digits, load_iris
 from sklearn.exceptions import ConvergenceWarning
 
-from skpathkernel import PathKernelClassifier, PathKernelMachine, PrecisionWarning
+from skpathkernel import (
+    PathKernelClassifier,
+    PathKernelMachine,
+    PrecisionWarning,
+    RecordedNetwork,
+)
 from skpathkernel._analysis._decomposition import (
     Decomposition,
     _Checks,
@@ -894,3 +899,32 @@ def test_float32_round_off_estimate_follows_a_worse_rounding(tmp_path, monkeypat
     true = np.abs(res.contributions - ref).max()
     assert true > 2 * np.abs(plain.contributions - ref).max()  # the rounding is worse
     assert 2 * true <= res.contribution_error <= 30 * true
+
+
+def test_float32_custom_loss_that_runs_only_in_float32():
+    """A per-sample loss written for the path's dtype (a float32 constant in a product,
+    as class or output weights are): the float32 decomposition called it only in
+    float32 until the round-off's measurement ran it on float64 outputs as well, which
+    raised a dtype error. It now takes the round-off of a module that does not run in
+    float64, and gives the same contributions as the built-in loss it equals."""
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(16, 3)).astype(np.float32)
+    y = (np.sin(X[:, 0]) + 0.3 * X[:, 1]).astype(np.float32)
+    est = PathKernelMachine(hidden_layer_sizes=(6,), max_iter=4, tol=None,
+                            normalize_y=False, dtype="float32", random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        est.fit(X, y)
+    w = torch.ones(1, dtype=torch.float32)
+
+    def weighted(out, target):  # the squared error, 1/2 (f - y)^2, through w
+        return 0.5 * (out - target.reshape(out.shape)) ** 2 @ w
+
+    nets = [RecordedNetwork(est.module_, est.trajectory_, X_train=X, y_train=y, loss=loss)
+            for loss in (weighted, "squared_error")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        custom, builtin = (net.decompose(X[:2]) for net in nets)
+    np.testing.assert_allclose(custom.contributions, builtin.contributions,
+                               rtol=1e-6, atol=1e-9)
+    assert custom.contribution_error > 0

@@ -1266,8 +1266,9 @@ class _Context:
             2 * node_points * point_bytes + left // 4) // max(2 * point_bytes, 1)))
         self._ahead, self._walk, self._at = {}, None, None
         # A float32 path decomposed exactly measures its batches' residuals' round-off
-        # (see rounding).
-        self.roundoff = False
+        # (see rounding), against float64 where the module and the loss run in it
+        # (measure_roundoff).
+        self.roundoff = self.measured = False
         # The parameter points of the batches captured ahead, stacked (_capture_ahead).
         self.held = _Scratch(self.device)
         # The first step a block of steps made ahead may reach back to from step j: a
@@ -1338,7 +1339,7 @@ class _Context:
             return None
         r = r.reshape(out.shape[0], -1).to(torch.float64)
         size = r.abs().amax(1)
-        if self.ref.upcast:
+        if self.measured:
             if r64 is None:
                 params = {k: v.to(torch.float64)
                           for k, v in _params(self.traj, theta).items()}
@@ -1351,12 +1352,31 @@ class _Context:
                    * out.reshape(out.shape[0], -1).abs().amax(1).to(torch.float64))
         return torch.where(size > 0, err / size.clamp_min(1e-300), torch.zeros_like(size))
 
+    def measure_roundoff(self, on: bool) -> None:
+        """Whether :meth:`rounding` measures (``on``: a float32 path, ``method="exact"``),
+        and against float64 residuals where the module's float64 copy runs
+        (:class:`_Reference`) and the loss takes its float64 outputs to float64
+        residuals: a user's per-sample loss written for the path's dtype (a float32
+        constant in a product, class weights) raises on them, and was only ever called
+        in float32 before; it takes the estimate of a module that does not run in float64.
+        """
+        self.roundoff, self.measured = on, False
+        if not (on and self.ref.upcast and len(self.X_train)):
+            return
+        params = _as_float64(self.traj, self.traj.parameters(0).to(self.device))
+        try:
+            r = self.loss.residuals(forward(self.ref.module, params, _wide(self.X_train[:1])),
+                                    _wide(self.Y_train[:1]))
+        except Exception:  # any failure: the loss runs in the path's dtype only
+            return
+        self.measured = r.dtype == torch.float64
+
     def _residuals64(self, thetas, idx):
         """The float64 loss residuals (B, N, C) of the rows ``idx`` (N, or B x N: each
         point's own) at the points ``thetas`` (B, P), by the stacked engine in one pass
         and one call of the loss, where :meth:`rounding` measures against them; else
         None."""
-        if not (self.roundoff and self.ref.upcast):
+        if not self.measured:
             return None
         idx = idx.view(-1, idx.shape[-1]).expand(thetas.shape[0], -1)
         out = self.stacked.forward(thetas.to(torch.float64), _wide(self.X_train[idx]))[0]
@@ -3394,7 +3414,7 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
                    point_bytes=P * itemsize, left=None if route == "dense" else left,
                    node_points=NODE_POINTS if route == "dense" else node_points)
     ctx.hvp_block = hvp_block if route == "dense" else 0
-    ctx.roundoff = method == "exact" and traj.dtype != torch.float64
+    ctx.measure_roundoff(method == "exact" and traj.dtype != torch.float64)
     # The second order's route, once for the call (not at every step): None, all outputs
     # in one pass; else the outputs, one at a time, after the double-backward check.
     ctx.hvp_outputs = (None if method != "second_order" or _all_outputs_in_one_pass(module, traj)

@@ -824,8 +824,12 @@ def test_blocks_of_steps_give_the_step_by_step_numbers(data, name, batch_size, d
     forward = interpolation._StackedCapture.forward
 
     def spy(self, thetas, X_rows):
-        # Own rows per point: a block of batches; shared rows: the queries' nodes.
-        if X_rows.dim() == 3:
+        # Own rows per point: a block of batches; shared rows: the queries' nodes. A
+        # float32 path's float64 pass over a block's batches measures the residuals'
+        # round-off (_Context._residuals64), no capture.
+        if thetas.dtype != getattr(torch, dtype):
+            pass
+        elif X_rows.dim() == 3:
             passes["batch"].append(len(thetas))
         elif len(X_rows) == len(X):
             passes["nodes"].append(len(thetas))
@@ -1044,12 +1048,13 @@ def test_captures_held_ahead_stay_within_the_budget(monkeypatch):
     assert_array_equal(res.contributions, est.decompose(X).contributions)
 
 
-@pytest.mark.parametrize("room", [None, 24000])
+@pytest.mark.parametrize("room", [None, 26000])
 def test_kept_batches_are_charged_once_per_storage(room, monkeypatch):
     """Query blocks that keep the batches' captures for the next block: the steps of one
     stacked pass share its storage, charged once (all 16 steps fit the room the query
     blocks leave), and a later block captures each step not kept once, none left over: with
-    a smaller room (24 kB) too, where steps kept lie between steps that are not (the
+    a smaller room (26 kB; a float32 path keeps its residuals' round-off too) too, where
+    steps kept lie between steps that are not (the
     12-sample batches fit after a block of 16-sample ones did not). The numbers are
     those of one query block."""
     import skpathkernel._analysis._decomposition as interpolation
@@ -1058,6 +1063,7 @@ def test_kept_batches_are_charged_once_per_storage(room, monkeypatch):
     reference = est.decompose(X)
     T = len(est.trajectory_) - 1
     budget = 2**20  # with the per-contribution check's rows: 2**19 + 2**17 before them
+    path_dtype = est.trajectory_.parameters(0).dtype
     contexts, blocks, captured = [], [], []
     init, factored = interpolation._Context.__init__, interpolation._factored_block
     forward = interpolation._StackedCapture.forward
@@ -1074,7 +1080,9 @@ def test_kept_batches_are_charged_once_per_storage(room, monkeypatch):
         return factored(*args, **kwargs)
 
     def spy_forward(self, thetas, X_rows):
-        if X_rows.dim() == 3:  # own rows per point: a pass over steps' batches
+        # Own rows per point: a pass over steps' batches (not the float64 pass that
+        # measures a float32 path's residuals' round-off: _Context._residuals64).
+        if X_rows.dim() == 3 and thetas.dtype == path_dtype:
             # (a step alone runs as two, the point repeated: a view of stride 0)
             captured.append(len(thetas) if thetas.stride(0) else 1)
         return forward(self, thetas, X_rows)

@@ -8,6 +8,7 @@ one per block) keeps a page's blocks on one pytest-xdist worker.
 import builtins
 import importlib
 import inspect
+import io
 import os
 import re
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import docutils.core
 import matplotlib
 
 matplotlib.use("Agg")
@@ -280,3 +282,23 @@ def test_ddp_script_prints_what_the_guide_shows(tmp_path):
         re.fullmatch(number, printed[1]).groups(), re.fullmatch(number, shown[1]).groups())
     assert largest == shown_largest
     assert 0.1 < float(error) / float(shown_error) < 10, (printed[1], shown[1])
+
+
+# The reST errors docutils alone can judge in a guide (Sphinx's roles and directives are
+# unknown to it, left to the docs build): a bare ``|f|`` is a substitution, a word ending
+# in ``_`` a link. Either fails CI's ``sphinx-build -W`` after the tests have passed.
+GUIDE_RST_ERRORS = ("Undefined substitution referenced", "Unknown target name")
+
+
+@pytest.mark.parametrize("page", sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.rst")
+    if not {"_build", "generated", "auto_examples"} & set(p.parts)))
+def test_guide_page_has_no_rest_reference_errors(page):
+    stream = io.StringIO()
+    docutils.core.publish_doctree((ROOT / page).read_text(), settings_overrides={
+        "warning_stream": stream, "report_level": 3, "halt_level": 5,
+        "file_insertion_enabled": False, "raw_enabled": False})
+    errors = [line for line in stream.getvalue().splitlines()
+              if any(kind in line for kind in GUIDE_RST_ERRORS)]
+    assert not errors, f"{page}:\n" + "\n".join(errors)
+

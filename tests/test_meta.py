@@ -917,16 +917,51 @@ def test_replay_refuses_a_meta_estimator_reading_a_pipeline(circle):
 @pytest.mark.parametrize("routing", [False, True])
 def test_sample_weight_reaches_the_trainer_of_an_unfrozen_pipeline(circle, routing):
     """The trainer at the end of the pipeline is weighted as one given alone (with
-    metadata routing, where it requested the weights); the steps are fitted unweighted."""
+    metadata routing, where it requested the weights); the steps are fitted unweighted
+    (with routing, where they declined them: one that did not say is an error, as in
+    scikit-learn's Pipeline; see test_routing_reaches_the_steps_of_an_unfrozen_pipeline)."""
     X, y = _scaled_data(circle)
     w = np.linspace(0.5, 2.0, len(y))
     with sklearn.config_context(enable_metadata_routing=routing):
-        trainer = PathKernelClassifier(**SMALL)
+        trainer, scaler = PathKernelClassifier(**SMALL), StandardScaler()
         if routing:
             trainer.set_fit_request(sample_weight=True)
-        est = TangentFeatures(make_pipeline(StandardScaler(), trainer)).fit(
+            scaler.set_fit_request(sample_weight=False)
+        est = TangentFeatures(make_pipeline(scaler, trainer)).fit(
             X, y, sample_weight=w)
         own = PathKernelClassifier(**SMALL).fit(_by_hand(X, X), y, sample_weight=w)
+    np.testing.assert_allclose(_final(est), _final(own), rtol=1e-9, atol=1e-12)
+    unweighted = PathKernelClassifier(**SMALL).fit(_by_hand(X, X), y)
+    assert not np.allclose(_final(est), _final(unweighted), rtol=1e-6)
+
+
+def _weighted_scaled(X, w):
+    mean = np.average(X, axis=0, weights=w)
+    return (X - mean) / np.sqrt(np.average((X - mean) ** 2, axis=0, weights=w))
+
+
+@pytest.mark.parametrize("cls", META, ids=lambda c: c.__name__)
+def test_routing_reaches_the_steps_of_an_unfrozen_pipeline(cls, circle):
+    """With metadata routing, the pipeline routes on to its own steps, as under
+    scikit-learn's meta-estimators: a scaler that requested the weight is the weighted
+    scaler (by hand: np.average), down a nested pipeline and under an alias, and a
+    trainer that declined it is the unweighted fit on what the scaler made. The weight
+    was refused before (the router held the trainer alone, which declined)."""
+    X, y = _scaled_data(circle)
+    w = np.linspace(0.5, 2.0, len(y))
+    v = w[::-1].copy()
+    with sklearn.config_context(enable_metadata_routing=True):
+        trainer = PathKernelClassifier(**SMALL).set_fit_request(sample_weight=False)
+        inner = make_pipeline(StandardScaler().set_fit_request(sample_weight="v"), trainer)
+        given = make_pipeline(StandardScaler().set_fit_request(sample_weight=True), inner)
+        est = cls(given).fit(X, y, sample_weight=w, v=v)
+        own = PathKernelClassifier(**SMALL).fit(_weighted_scaled(_weighted_scaled(X, w), v), y)
+        # Nobody asked for it: refused, naming the step that did not say.
+        with pytest.raises(UnsetMetadataPassedError, match="StandardScaler"):
+            cls(make_pipeline(StandardScaler(), clone(trainer))).fit(X, y, sample_weight=w)
+    assert not hasattr(given[0], "mean_")
+    np.testing.assert_allclose(est.estimator_[0].mean_, np.average(X, axis=0, weights=w),
+                               rtol=1e-12)
     np.testing.assert_allclose(_final(est), _final(own), rtol=1e-9, atol=1e-12)
     unweighted = PathKernelClassifier(**SMALL).fit(_by_hand(X, X), y)
     assert not np.allclose(_final(est), _final(unweighted), rtol=1e-6)

@@ -220,7 +220,9 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
             frozen.
         **fit_params : dict
             Only with ``sklearn.set_config(enable_metadata_routing=True)``: metadata
-            routed to the trainer's ``fit``, such as a weight under the alias the trainer
+            routed to the trainer's ``fit`` (an unfrozen ``Pipeline`` given as
+            ``estimator`` routes each of its steps what it requested, as
+            ``Pipeline.fit`` does), such as a weight under the alias the trainer
             requested (``set_fit_request(sample_weight="w")``, then ``fit(X, y,
             w=weights)``), as scikit-learn's ``MultiOutputRegressor`` routes them.
             Without routing they are refused, as by ``BaggingRegressor``.
@@ -549,7 +551,9 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
             an error where it did not say), and the SVM takes them either way.
         **fit_params : dict
             Only with ``sklearn.set_config(enable_metadata_routing=True)``: metadata
-            routed to the trainer's ``fit``, such as a weight under the alias the trainer
+            routed to the trainer's ``fit`` (an unfrozen ``Pipeline`` given as
+            ``estimator`` routes each of its steps what it requested, as
+            ``Pipeline.fit`` does), such as a weight under the alias the trainer
             requested (``set_fit_request(sample_weight="w")``, then ``fit(X, y,
             w=weights)``), as scikit-learn's ``MultiOutputRegressor`` routes them; the
             SVM takes ``sample_weight`` alone (its own, as ``CalibratedClassifierCV``'s

@@ -24,8 +24,10 @@ the trainer's ``fit`` receives it only where the trainer requested it
 (``PathKernelClassifier().set_fit_request(sample_weight=True)``), and a weight passed to
 a trainer that said nothing is an error naming it; a trainer that requested it under an
 alias (``set_fit_request(sample_weight="w")``) receives ``fit(X, y, w=...)``'s, as
-their ``**fit_params`` route it. Without routing, ``fit`` passes it to the trainer as
-before, and refuses any other keyword as ``BaggingRegressor`` does.
+their ``**fit_params`` route it. An unfrozen pipeline given as the trainer routes on
+to its own steps, each taking what it requested (a scaler's weight), as ``Pipeline.fit``
+does. Without routing, ``fit`` passes it to the trainer as before (not to a pipeline's
+other steps), and refuses any other keyword as ``BaggingRegressor`` does.
 """
 
 from __future__ import annotations
@@ -410,9 +412,11 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         router = MetadataRouter(owner=self)
         if self._uses_sample_weight:
             router.add_self_request(self)
-        inner, frozen = self._trainer()
+        # The estimator as given: a pipeline routes on to its own steps, as it does
+        # under scikit-learn's meta-estimators (a scaler's requested weight reaches it).
+        outer, inner, frozen = self._resolved()
         if not frozen:
-            router.add(estimator=self._routing_default() if inner is None else inner,
+            router.add(estimator=self._routing_default() if inner is None else outer,
                        method_mapping=MethodMapping().add(caller="fit", callee="fit"))
         return router
 
@@ -465,7 +469,8 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
             # Everything routed to the trainer reaches its fit, as MultiOutputRegressor
             # passes it: a subclass's other requested metadata too (it was dropped).
             other = {} if frozen else dict(routed.estimator.fit)
-            to_trainer = other.pop("sample_weight", None)
+            if wrapper is None:
+                to_trainer = other.pop("sample_weight", None)
         else:
             _raise_for_params(fit_params, self, "fit")
         if frozen:
@@ -498,7 +503,12 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
             # Before any step is fitted: what this fit refuses of y and of the rows.
             self._check_given(X, y, sample_weight)
             given, wrapper = X, clone(wrapper)
-            trainer, X = _fit_steps_before_network(wrapper, X, y)
+            # With routing, `other` is what the pipeline gets, in its callers' names:
+            # its steps take their part, the trainer what is left for it.
+            trainer, X, other = _fit_steps_before_network(
+                wrapper, X, y, other if _routing_enabled() else None)
+            if _routing_enabled():
+                to_trainer = other.pop("sample_weight", None)
         # What the trainer is given: X, or what the pipeline's steps made of it.
         to_network = X
         X, y = self._validate_fit_data(X, y, flexible=getattr(inner, "module", None) is not None)
@@ -637,19 +647,32 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         return tags
 
 
-def _fit_steps_before_network(pipe, X, y):
+def _fit_steps_before_network(pipe, X, y, params=None):
     """Fit the steps of the (cloned) pipeline ``pipe`` before the trainer, as
     ``Pipeline.fit`` does, down the pipelines ending it: ``(trainer, X as it reaches
-    the trainer)``. The trainer itself is left to the meta-estimator's fit, which checks
-    and weighs its training as it does a trainer's given alone."""
+    the trainer, the metadata routed to the trainer's fit)``. The trainer itself is left
+    to the meta-estimator's fit, which checks and weighs its training as it does a
+    trainer's given alone.
+
+    ``params``: with metadata routing enabled, what was routed to ``pipe``'s ``fit`` (in
+    its callers' names); each level passes its steps before the last what they
+    requested and its last step the rest, as ``Pipeline.fit`` routes them. None without
+    routing: the steps get nothing, and the trainer nothing from here.
+    """
     while isinstance(pipe, Pipeline):
+        routed = None if params is None else process_routing(pipe, "fit", **params)
         if len(pipe) > 1:
             head = pipe[:-1]
-            X = head.fit_transform(X, y)
+            # The head's own router picks its steps' requests out of the pipeline's:
+            # Pipeline.fit_transform refuses what none of them asked for.
+            mine = () if params is None else head.get_metadata_routing().consumes(
+                method="fit_transform", params=set(params))
+            X = head.fit_transform(X, y, **{key: params[key] for key in mine})
             # With a memory the fitted steps are clones: the pipeline holds them.
             pipe.steps[:-1] = head.steps
-        pipe = pipe.steps[-1][1]
-    return pipe, X
+        name, pipe = pipe.steps[-1]
+        params = None if routed is None else dict(routed[name].fit)
+    return pipe, X, {} if params is None else params
 
 
 def flat_targets(X: np.ndarray) -> np.ndarray:

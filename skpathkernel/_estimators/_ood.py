@@ -487,7 +487,9 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
             either way.
         **fit_params : dict
             Only with ``sklearn.set_config(enable_metadata_routing=True)``: metadata
-            routed to the trainer's ``fit``, such as a weight under the alias the trainer
+            routed to the trainer's ``fit`` (an unfrozen ``Pipeline`` given as
+            ``estimator`` routes each of its steps what it requested, as
+            ``Pipeline.fit`` does), such as a weight under the alias the trainer
             requested (``set_fit_request(sample_weight="w")``, then ``fit(X, y,
             w=weights)``), as scikit-learn's ``MultiOutputRegressor`` routes them; the
             zeros that leave rows out of the span are ``sample_weight``'s alone. Without

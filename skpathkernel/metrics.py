@@ -55,7 +55,7 @@ from ._path._training import (
 )
 from ._progress import Progress
 from ._validation import count
-from ._warnings import worst
+from ._warnings import caller_stacklevel, worst
 
 __all__ = [
     "SubsetRetraining",
@@ -439,15 +439,17 @@ def _replay_trainer(estimator, keep: np.ndarray):
 
 
 def _fit_one(estimator, X, y, X_query, output, codes, classes, n_tasks, keep=None):
-    """Fit one model on a subset (on a joblib worker) and return its outputs.
+    """Fit one model on a subset (on a joblib worker); its outputs and the warnings it
+    raised (see :func:`_RecordingWarnings`).
 
     With ``keep`` (a mask over the fitted estimator's training set) the model is the
     replay of the estimator's path on the kept points instead.
     """
     # The worker's cores are shared by the concurrent fits.
-    with limit_torch_threads(max(1, cpu_count() // n_tasks)):
+    with limit_torch_threads(max(1, cpu_count() // n_tasks)), \
+            _RecordingWarnings() as caught:
         if keep is not None:
-            return _query_outputs(_replay(estimator, keep), X_query, output, codes)
+            return _query_outputs(_replay(estimator, keep), X_query, output, codes), caught
         estimator.fit(X, y)
         if classes is not None and not np.array_equal(estimator.classes_, classes):
             missing = sorted(set(classes.tolist()) - set(estimator.classes_.tolist()))
@@ -455,7 +457,40 @@ def _fit_one(estimator, X, y, X_query, output, codes, classes, n_tasks, keep=Non
                 f"A training subset holds no sample of class(es) {missing[:5]}, so its "
                 "model has no margin for them; use a larger subset_fraction."
             )
-        return _query_outputs(estimator, X_query, output, codes)
+        return _query_outputs(estimator, X_query, output, codes), caught
+
+
+class _RecordingWarnings(warnings.catch_warnings):
+    """Every warning a joblib task raises, kept as ``(message, category)`` pairs for
+    :func:`_warn_once_each` in the caller's process: a process worker's would only reach
+    its stderr, where the caller's filters do not apply (not even ``catch_warnings``),
+    and a fit's each came again at joblib's line, once per fit."""
+
+    def __init__(self):
+        super().__init__(record=True)
+
+    def __enter__(self):
+        self._caught = super().__enter__()
+        warnings.simplefilter("always")
+        self.pairs = []
+        return self.pairs
+
+    def __exit__(self, *exc_info):
+        self.pairs.extend((w.message, w.category) for w in self._caught)
+        return super().__exit__(*exc_info)
+
+
+def _warn_once_each(caught_lists) -> None:
+    """Raise again, at the user's line, each distinct warning the tasks recorded
+    (:class:`_RecordingWarnings`), in the order first seen: once, however many models
+    raised it."""
+    seen = set()
+    for caught in caught_lists:
+        for message, category in caught:
+            key = (str(message), category)
+            if key not in seen:
+                seen.add(key)
+                warnings.warn(message, category, stacklevel=caller_stacklevel())
 
 
 @validate_params(
@@ -577,7 +612,9 @@ def retrain_on_subsets(
     n_jobs : int, default=None
         Fits run in parallel by joblib (``-1``: every core); each fit limits torch to its
         share of the cores. ``None`` means 1 unless in a ``joblib.parallel_config``
-        context.
+        context. The fits' warnings (a ``ConvergenceWarning`` of each unconverged
+        model, say) are raised again here, from process workers too, each distinct
+        one once.
     verbose : int, default=0
         A progress bar over the fits (tqdm when installed).
 
@@ -629,8 +666,11 @@ def retrain_on_subsets(
     # The generator runs to its end, so that a progress bar closes.
     bar = Progress("retrain_on_subsets", len(jobs), enabled=bool(verbose),
                    each="{desc}: {n}/{total} models fitted")
-    for k, values in enumerate(bar.iterate(results)):
+    caught = []
+    for k, (values, warned) in enumerate(bar.iterate(results)):
         all_outputs[jobs[k]] = values
+        caught.append(warned)
+    _warn_once_each(caught)
     name = output if isinstance(output, str) else getattr(output, "__name__", "callable")
     return SubsetRetraining(subsets=masks, outputs=all_outputs.mean(axis=1),
                             all_outputs=all_outputs, seeds=seeds, output=name,
@@ -844,10 +884,9 @@ def _attribute_one(estimator, X, y, X_query, y_query, attribute_params, n_tasks)
     The warnings travel back with the scores, since a process worker's would be lost.
     """
     with limit_torch_threads(max(1, cpu_count() // n_tasks)), \
-            warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+            _RecordingWarnings() as caught:
         scores = estimator.fit(X, y).attribute(X_query, y_query, **attribute_params)
-    return scores, [(w.message, w.category) for w in caught]
+    return scores, caught
 
 
 @validate_params(
@@ -957,13 +996,7 @@ def ensemble_attribution(estimator, X, y, X_query, y_query=None, *, n_models: in
     results = Parallel(n_jobs=n_jobs)(
         delayed(_attribute_one)(model(seed), X_arr, y_arr, X_query, y_query,
                                 attribute_params, n_tasks) for seed in seeds)
-    seen = set()
-    for _, caught in results:
-        for message, category in caught:
-            key = (str(message), category)
-            if key not in seen:
-                seen.add(key)
-                warnings.warn(message, category, stacklevel=2)
+    _warn_once_each(caught for _, caught in results)
     members = [scores for scores, _ in results]
     mean = np.mean([np.asarray(s, dtype=np.float64) for s in members], axis=0)
     growths = [getattr(s, "growth", None) for s in members]

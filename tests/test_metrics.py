@@ -519,6 +519,60 @@ def test_retraining_subset_without_a_class_is_a_clear_error():
                            random_state=0)
 
 
+
+class _WarningRidge(Ridge):
+    """Ridge that warns in every fit, as an unconverged network does (and once more on
+    subsets holding the first point)."""
+
+    def __init__(self, alpha=1.0, first=None):
+        super().__init__(alpha=alpha)
+        self.first = first
+
+    def fit(self, X, y, sample_weight=None):
+        warnings.warn("every fit", UserWarning, stacklevel=2)
+        if X[0, 0] == self.first:
+            warnings.warn("holds the first point", RuntimeWarning, stacklevel=2)
+        return super().fit(X, y, sample_weight)
+
+
+@pytest.mark.parametrize("n_jobs", [None, 2])
+def test_retraining_raises_each_fits_warning_once_at_the_callers_line(n_jobs):
+    """Every fit's warnings come back from the workers, each distinct one once, at the
+    caller's line: 50 subsets of an unconverged network printed 50 ConvergenceWarnings at
+    joblib's line, and a process worker's could not be caught or filtered at all."""
+    rng = np.random.RandomState(6)
+    X, y = rng.normal(size=(20, 2)), rng.normal(size=20)
+    est = _WarningRidge(first=X[0, 0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = retrain_on_subsets(est, X, y, X[:2], n_subsets=6, random_state=0,
+                                 n_jobs=n_jobs)
+    assert 0 < res.subsets[:, 0].sum() < 6  # some subsets hold the first point
+    assert sorted((w.category.__name__, str(w.message)) for w in caught) == [
+        ("RuntimeWarning", "holds the first point"), ("UserWarning", "every fit")]
+    assert {w.filename for w in caught} == {__file__}
+    # The outputs are the fits' own.
+    fits = [Ridge().fit(X[m], y[m]).predict(X[:2]) for m in res.subsets]
+    assert_allclose(res.outputs, fits, rtol=1e-12)
+
+
+def test_replay_warnings_come_once_at_the_callers_line():
+    """A replay's own warning (here: no point left of those that gave normalize_y's
+    moments), raised by every replay that meets it, comes once."""
+    X = np.linspace(-1, 1, 10).reshape(-1, 1)
+    y = np.sin(3 * X).ravel()
+    est = PathKernelMachine(hidden_layer_sizes=(3,), random_state=0, dtype="float64")
+    est.partial_fit(X[:4], y[:4]).partial_fit(X[4:], y[4:])
+    masks = np.ones((3, 10), dtype=bool)
+    masks[:2, :4] = False  # two replays keep none of the first call's rows
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        retrain_on_subsets(est, X, y, X[:2], subsets=masks, protocol="replay")
+    held = [w for w in caught if "keeps none of the first 4" in str(w.message)]
+    assert len(held) == 1
+    assert held[0].filename == __file__
+
+
 # --------------------------------------------------------------------------- attribute
 @pytest.fixture(scope="module")
 def classifiers():
@@ -795,8 +849,11 @@ def test_ensemble_forwards_attribute_params_and_warnings(n_jobs):
     with pytest.warns(UserWarning, match="odd seed") as record:
         scores = ensemble_attribution(_NoisyAttributor(), X, y, X[:3], n_models=6,
                                       random_state=5, n_jobs=n_jobs, scale=2.0)
-    # Raised again here, from process workers too, once per distinct warning.
-    assert len([w for w in record if "odd seed" in str(w.message)]) == 1
+    # Raised again here, from process workers too, once per distinct warning, at this
+    # line (it was scikit-learn's validate_params wrapper's).
+    odd = [w for w in record if "odd seed" in str(w.message)]
+    assert len(odd) == 1
+    assert odd[0].filename == __file__
     assert_allclose(scores, expected, rtol=1e-12)
 
 

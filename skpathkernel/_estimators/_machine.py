@@ -213,7 +213,13 @@ _NORMALIZE_Y_DOC = """
         ``f`` itself. ``attribute(method="unrolled")`` differentiates the mean and
         scale too, as refits with other ``sample_weight`` take them anew (see
         :meth:`attribute`). ``False`` trains on ``y`` as given
-        (MLPRegressor's behaviour). Ignored for class labels."""
+        (MLPRegressor's behaviour). Ignored for class labels. A path continued by
+        ``partial_fit`` or ``warm_start`` keeps the mean and scale of its first call's
+        samples: a stream whose first call holds a few rows trains on targets scaled
+        by their spread (2 rows: half their difference), and on later rows the
+        residuals, and so the steps, grow with the ratio of the targets' spread to
+        it; start such a stream with a representative chunk, or set
+        ``normalize_y=False``."""
 
 _FITTED_ATTRS_DOC = """
     network_ : TrainedNetwork
@@ -752,8 +758,10 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         """Train one more epoch, on (X, y), continuing the fitted network and its path.
 
         MLPRegressor's out-of-core entry point: the first call starts a network (as
-        ``fit`` would), every later one continues its optimizer, schedule and stopping
-        rule for one pass over the given data. The training set of the kernel machine
+        ``fit`` would, from at least 2 samples, and with ``normalize_y`` the targets'
+        mean and scale of its samples, which later calls keep), every later one (of
+        any size) continues its optimizer, schedule and stopping rule for one pass over
+        the given data. The training set of the kernel machine
         (``X_fit_``) is the concatenation of what the calls received, in order, and the
         trajectory's batches index into it, so that the kernels, :meth:`decompose` and
         :meth:`attribute` cover every call. With ``trajectory_storage="disk"`` the

@@ -42,7 +42,7 @@ def cases():
            (X[:300], y[:300], X[300:320]))
 
 
-def main(old_path, rounds=5):
+def main(old_path, rounds=5, cases=cases):
     old = load_old(old_path)
     print(f"load {open('/proc/loadavg').read().strip()}")
     print("| case | old s | new s | new / old |")

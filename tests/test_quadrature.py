@@ -26,6 +26,7 @@ from skpathkernel import (
 from skpathkernel._analysis._decomposition import (
     Decomposition,
     _Checks,
+    _Quadrature,
     decompose,
     finish,
     merge,
@@ -928,3 +929,79 @@ def test_float32_custom_loss_that_runs_only_in_float32():
     np.testing.assert_allclose(custom.contributions, builtin.contributions,
                                rtol=1e-6, atol=1e-9)
     assert custom.contribution_error > 0
+
+
+def _choices(residual, n_steps=8, limit=None):
+    """A float32 node choice over ``n_steps`` steps of equal share (tol 1e-6, S = 1: a
+    budget of 1.25e-7 each), whose rule of n nodes misses by ``residual(n)``; the terms'
+    2-norm falls with the weights as Gauss-Legendre's does, 1/sqrt(n)."""
+    quad = _Quadrature(n_steps, tol=1e-6, n_nodes=None, changes=np.ones(n_steps), scale=1.0,
+                       dtype=torch.float32)
+    if limit is not None:
+        quad.limit = limit
+    tries = []
+
+    def evaluate(n):
+        tries.append(n)
+        return (torch.full((1, 1), residual(n), dtype=torch.float64),
+                torch.full((1, 1), n ** -0.5, dtype=torch.float64), n)
+
+    for t in reversed(range(n_steps)):
+        quad.choose(t, evaluate, torch.zeros(1, 1, dtype=torch.float64), 0.0)
+    return quad, tries
+
+
+def test_a_residual_at_round_off_that_does_not_fall_takes_no_more_nodes():
+    """A residual that stays where it is when nodes are added is round-off: 10 eps32
+    here, above the step's share of tol (a float32 query alone whose f hardly moves)
+    and above the 4 eps * spread that the choice assumed, which falls with the nodes.
+    The choice added nodes until memory_budget's limit (7: every step failed, a
+    ConvergenceWarning blaming the budget) or, without it, until a doubling from 8
+    failed (16 nodes); it now stops at the first try that did not halve it."""
+    eps = float(torch.finfo(torch.float32).eps)
+    quad, tries = _choices(lambda n: 10 * eps, limit=7)
+    assert not quad.failed and not quad.capped
+    assert quad.n_used.max() <= 4 and len(tries) <= 2 * 8
+    quad, tries = _choices(lambda n: 10 * eps)
+    assert not quad.failed and quad.n_used.max() <= 4
+
+
+def test_a_quadrature_error_under_the_round_off_ceiling_still_takes_nodes():
+    """What the round-off rule must not take for round-off: a quadrature error that
+    falls 3x per node from under the ceiling of 100 eps * spread takes the nodes that
+    bring it under its share or the 4 eps * spread assumed (5 nodes), and one that
+    stays above the ceiling (a kink's) still fails, and is reported."""
+    eps = float(torch.finfo(torch.float32).eps)
+
+    def falling(n):
+        return 90 * eps * 0.3 ** (n - 1)
+
+    quad, _ = _choices(falling)
+    need = min(n for n in range(1, 65) if falling(n) <= max(1.25e-7, 4 * eps / n ** 0.5))
+    assert need == 5 and not quad.failed and quad.n_used.min() >= need
+    quad, _ = _choices(lambda n: 1e-3)  # flat, 1e4 eps: not round-off
+    assert len(quad.failed) == 8
+
+
+def test_float32_query_alone_under_a_small_budget_stops_at_round_off(tmp_path):
+    """memory_budget=1 MiB gives each query its own node choice, and a step where that
+    query's f hardly moves a share of tol under the float32 round-off of its residual
+    (5.7e-11 against 7e-10): the choice added nodes there to the budget's limit of 7,
+    and 3 of 120 steps failed with a ConvergenceWarning blaming the budget. The
+    residual did not fall with the nodes; it now stops where it stopped falling, and
+    the contributions still meet the float64 reference of the same path within
+    contribution_error."""
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(24, 3))
+    y = np.sin(X @ np.array([1.0, -2.0, 0.5]))
+    est = PathKernelMachine(hidden_layer_sizes=(64, 64), solver="adam", max_iter=120,
+                            learning_rate_init=1e-3, tol=None, record_every=1,
+                            memory_budget=2**20, random_state=0).fit(X, y)
+    Xq = X[1:2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        res = network_of(est).decompose(Xq)  # the reference's units (normalize_y)
+    assert res.n_nodes.max() <= 5  # under the budget's limit of 7 nodes
+    ref = _float64_reference(est, Xq, tmp_path)
+    true = np.abs(res.contributions - ref).max()
+    assert true <= res.contribution_error <= 30 * true

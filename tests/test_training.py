@@ -563,24 +563,18 @@ def test_auto_record_every_keeps_the_path_under_memory_budget(regression_data):
     # Points that are not consecutive steps: the steps between them are replayed from
     # the record, and the split is the every-step path's (float32: to its round-off).
     # The replay says nothing. memory_budget, nearly all held by the record, also cuts
-    # the queries into node choices of one query each and limits their nodes to 7: a
-    # step where one query's f hardly moves gets a share of tol under the float32
-    # round-off of its residual (~7e-10), and the node choice adds nodes there until the
-    # limit (a true miss of the share, on some hosts: AVX2 6 of 120 steps, AVX-512 none).
-    # Not the replay's: the every-step path under the same budget missed 5 steps, at the
-    # same 7 nodes, and neither path takes more than 4 nodes with both queries in one
-    # choice (benchmarks/results/decompose_cuts-s56.md). So allowed only as the warning
-    # that says the budget limited exactly the steps that failed; the sum is checked below.
+    # the queries into node choices of one query each: a step where one query's f
+    # hardly moves gets a share of tol under the float32 round-off of its residual
+    # (~7e-10), which does not fall with the nodes. The node choice took it for
+    # quadrature error and added nodes to the budget's limit of 7, with a
+    # ConvergenceWarning blaming the budget (AVX2: 6 of 120 steps); it now takes it for
+    # round-off (benchmarks/results/node_floor-s57.md), silent, at the 4-5 nodes that
+    # both queries in one choice take.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = est.decompose(X[:2])
-    for w in caught:
-        message = str(w.message)
-        assert issubclass(w.category, ConvergenceWarning), message
-        failed = re.search(r"steps (\d+ \(residual.*?)\.(?: |$)", message)
-        capped = re.search(r"memory_budget limited the nodes of steps (.*?) to fewer", message)
-        assert failed and capped, message
-        assert re.sub(r" \(residual [^)]*\)", "", failed[1]) == capped[1], message
+    assert not caught, [str(w.message) for w in caught]
+    assert res.n_nodes.max() <= 5
     exact = full.decompose(X[:2])
     assert res.replay_error < 1e-5  # measured 1e-6: float32 round-off
     assert res.error < 1e-5 * np.abs(res.prediction).max()

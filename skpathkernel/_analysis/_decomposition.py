@@ -149,7 +149,12 @@ path, ``|df_t|`` the step's largest change), so that the steps' errors add up to
 the factors the residual cannot resolve the quadrature error: a step whose residual
 reaches that floor stops there. Where the floor is one learnt at another step (raised
 where a step stalled at its round-off), a node more must first fail to cut the residual
-tenfold: a quadrature error falls, round-off does not. A step that reaches neither
+tenfold: a quadrature error falls, round-off does not. Nodes added without halving a
+residual under ``FLOOR_MAX`` times that floor's factor part say the same: the factors'
+rounding, nearly alike at nodes this close, adds up over the nodes while the 2-norm of
+the terms it is scaled by falls with the weights (a float32 query alone, its share of
+tol under its residual's round-off, took nodes to the memory limit). The step stops
+there, and the later ones assume that floor. A step that reaches neither
 within ``MAX_NODES`` nodes (or stops converging: a non-smooth activation) is reported in
 a ConvergenceWarning.
 
@@ -630,7 +635,17 @@ class _Quadrature:
                 break
             goal = max(budget, floor)
             self._floors[t] = noise + FLOOR_MAX * spread
-            if seen and seen[-1][1] > floor and r > floor:
+            # Nodes added without the residual halving, under the round-off ceiling: the
+            # factors' round-off, which the floor assumed so far under-reads. Their
+            # errors at nodes this close are nearly the same, so they add alike over the
+            # nodes while spread, a 2-norm, falls with the weights (a float32 query alone,
+            # whose share of tol was under its residual's round-off, took 7-31 nodes
+            # where 2-5 reached it: benchmarks/results/node_floor-s57.md). A quadrature
+            # error of a smooth integrand falls 10-300x per node (measured), a kink's
+            # stays orders of magnitude above the ceiling.
+            flat = (bool(seen) and r > budget and r > seen[-1][1] / 2
+                    and r <= noise + FLOOR_MAX * spread)
+            if seen and seen[-1][1] > floor and r > floor and not flat:
                 (n0, r0) = seen[-1]
                 self._ratio = min(max((r / r0) ** (1.0 / (n - n0)), 1e-3), 0.9)
             seen.append((n, r))
@@ -641,7 +656,7 @@ class _Quadrature:
                     break
                 probe = None  # it fell: quadrature error, under the budget or not yet
             if r <= goal:
-                if r <= budget or r <= noise + FACTORS * spread or n >= cap:
+                if r <= budget or r <= noise + FACTORS * spread or flat or n >= cap:
                     break
                 # Under the floor learnt at another step (a stall there raised it, up to
                 # FLOOR_MAX) but above this step's own round-off: possibly quadrature
@@ -652,11 +667,15 @@ class _Quadrature:
                 n += 1
                 continue
             stalled = _stalled(seen)
-            if stalled and r <= noise + FLOOR_MAX * spread:
+            if flat or stalled and r <= noise + FLOOR_MAX * spread:
                 # Not a kink: the residual sits at the factors' round-off, higher than
-                # the floor assumed so far. Later steps assume this one.
+                # the floor assumed so far. Later steps assume this one (and the probe
+                # above tells their quadrature errors from it), and start from the
+                # count before the nodes that did not help.
                 self._floor = min(FLOOR_MAX, 2 * (r - noise) / max(spread, 1e-300))
                 stalled = False
+                if flat:
+                    probe = seen[-2][0]
                 break
             if n >= cap or stalled:
                 self.failed[t] = r

@@ -1062,7 +1062,10 @@ def test_kept_batches_are_charged_once_per_storage(room, monkeypatch):
     est, X = _adam_path(60, 128, batch_size=16)  # batches of 16, 16, 16 and 12
     reference = est.decompose(X)
     T = len(est.trajectory_) - 1
-    budget = 2**20  # with the per-contribution check's rows: 2**19 + 2**17 before them
+    # With the per-contribution check's rows: 2**19 + 2**17 before them; with the blocks
+    # of steps made ahead charged the float64 pass of their residuals' round-off, 2**20
+    # before (it held one step a block: no storage shared by several steps).
+    budget = 1_500_000
     path_dtype = est.trajectory_.parameters(0).dtype
     contexts, blocks, captured = [], [], []
     init, factored = interpolation._Context.__init__, interpolation._factored_block

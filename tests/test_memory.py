@@ -422,6 +422,64 @@ def test_decompose_exact_charges_the_steps_parameter_points():
     assert small.error < 1e-8 * np.abs(small.prediction).max()
 
 
+def _float32_path(solver):
+    """A one-output float32 tanh MLP (P = 18,817) after two epochs of plain SGD (full
+    batches of 32) or Adam (batches of 8 of 16 samples), and two queries."""
+    rng = np.random.RandomState(0)
+    n, batch = (32, 32) if solver == "sgd" else (16, 8)
+    X = rng.uniform(-1, 1, size=(n, 16))
+    y = np.sin(3 * X[:, 0]) + X[:, 1]
+    extra = {"momentum": 0.0} if solver == "sgd" else {}
+    est = PathKernelMachine(hidden_layer_sizes=(128, 128), solver=solver,
+                            learning_rate_init=0.01, max_iter=2, batch_size=batch,
+                            dtype="float32", normalize_y=False, tol=None, activation="tanh",
+                            random_state=0, **extra).fit(X, y)
+    return est, rng.uniform(-1, 1, size=(2, 16))
+
+
+@pytest.mark.parametrize("solver, budgets", [("sgd", (1_563_000, 1_722_000)),
+                                             ("adam", (2_173_000, 2_332_000))])
+def test_float32_decompose_charges_the_float64_residual_pass(solver, budgets, monkeypatch):
+    """A float32 path's exact decomposition measures its batches' residuals' round-off
+    by a float64 forward pass (a float64 copy of the step's point, the batch's float64
+    activations), which the memory plan did not charge: torch's peak was 1.025x the
+    first budget on plain SGD (the factor route), 1.038x and 1.002x both budgets on Adam
+    (the adjoint's). Now a budget is refused before any work where it does not hold the
+    pass too, or the call stays within it, with the numbers of a 1 GiB budget."""
+    from skpathkernel._analysis import _decomposition
+
+    est, Xq = _float32_path(solver)
+    reference = est.decompose(Xq)
+    passes = []
+    residuals64 = _decomposition._Context._residuals64
+
+    def spy(self, thetas, idx):
+        passes.append(self.measured)
+        return residuals64(self, thetas, idx)
+
+    monkeypatch.setattr(_decomposition._Context, "_residuals64", spy)
+    ran = []
+    for budget in budgets:
+        try:
+            small, peak = _decompose_at_budget(est, Xq, budget)
+        except ValueError as e:  # refused before any work: the least budget named
+            assert "Raise memory_budget" in str(e), e
+            continue
+        assert peak <= budget, (peak, budget)
+        ran.append(small)
+    assert ran and passes and all(passes)  # the float64 pass ran at a budget it holds
+    # To float32 round-off, not bit for bit: the smaller blocks of batch rows are other
+    # GEMM shapes, and Adam's node limit binds at these budgets (a node fewer at some
+    # steps). Measured 0.33 (SGD) and 5.0 (Adam) eps32 of the largest contribution;
+    # 0.36 and 9.0 on the old plan at the second budgets.
+    scale = 16 * float(np.finfo(np.float32).eps) * np.abs(reference.contributions).max()
+    for small in ran:
+        assert_allclose(small.contributions, reference.contributions, rtol=0, atol=scale)
+        assert_allclose(small.regularization, reference.regularization, rtol=0, atol=scale)
+        assert_allclose(small.reconstruction, small.prediction, rtol=0,
+                        atol=1.01 * small.error)
+
+
 def _adam_path(n_queries):
     """A two-output float64 MLP (P = 1122) after two epochs of Adam with weight decay,
     and ``n_queries`` queries."""

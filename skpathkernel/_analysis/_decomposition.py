@@ -1288,6 +1288,7 @@ class _Context:
         # (see rounding), against float64 where the module and the loss run in it
         # (measure_roundoff).
         self.roundoff = self.measured = False
+        self.wide_point = self.wide_row = 0
         # The parameter points of the batches captured ahead, stacked (_capture_ahead).
         self.held = _Scratch(self.device)
         # The first step a block of steps made ahead may reach back to from step j: a
@@ -1371,24 +1372,15 @@ class _Context:
                    * out.reshape(out.shape[0], -1).abs().amax(1).to(torch.float64))
         return torch.where(size > 0, err / size.clamp_min(1e-300), torch.zeros_like(size))
 
-    def measure_roundoff(self, on: bool) -> None:
+    def measure_roundoff(self, on: bool, measured: bool = False,
+                         wide: tuple[int, int] = (0, 0)) -> None:
         """Whether :meth:`rounding` measures (``on``: a float32 path, ``method="exact"``),
-        and against float64 residuals where the module's float64 copy runs
-        (:class:`_Reference`) and the loss takes its float64 outputs to float64
-        residuals: a user's per-sample loss written for the path's dtype (a float32
-        constant in a product, class weights) raises on them, and was only ever called
-        in float32 before; it takes the estimate of a module that does not run in float64.
-        """
-        self.roundoff, self.measured = on, False
-        if not (on and self.ref.upcast and len(self.X_train)):
-            return
-        params = _as_float64(self.traj, self.traj.parameters(0).to(self.device))
-        try:
-            r = self.loss.residuals(forward(self.ref.module, params, _wide(self.X_train[:1])),
-                                    _wide(self.Y_train[:1]))
-        except Exception:  # any failure: the loss runs in the path's dtype only
-            return
-        self.measured = r.dtype == torch.float64
+        and against float64 residuals (``measured``: :func:`_residuals_in_float64`), whose
+        float64 pass the blocks of steps made ahead are charged (``wide``: its bytes a
+        parameter point and a batch row, :meth:`ahead_steps`); else it takes the
+        estimate of a module that does not run in float64."""
+        self.roundoff, self.measured = on, on and measured
+        self.wide_point, self.wide_row = wide if self.measured else (0, 0)
 
     def _residuals64(self, thetas, idx):
         """The float64 loss residuals (B, N, C) of the rows ``idx`` (N, or B x N: each
@@ -1449,13 +1441,17 @@ class _Context:
             yield (sub, w_sub, terms, [t.delta[:, 0] for t in terms],
                    self.rounding(theta, sub, out, r))
 
-    def ahead_steps(self, rows: int, points: int, room: int) -> int:
+    def ahead_steps(self, rows: int, points: int, room: int, residuals: bool = False) -> int:
         """How many steps one stacked pass captures ahead (1 to ``STEP_BLOCK``): each
         step ``points`` parameter points at ``rows`` rows, within ``room`` bytes. A row
         is charged ``row_bytes`` (a sample's captures with their graph, about 4x the
         stacked ones, which the pass also holds while it runs), a point twice its
-        parameters (the points, and their stack)."""
+        parameters (the points, and their stack); with ``residuals``, a step also the
+        float64 pass that measures its batch's residuals' round-off
+        (:meth:`_residuals64`: ``wide_point`` and ``wide_row`` a row)."""
         step = points * (rows * self.row_bytes + 2 * self.point_bytes)
+        if residuals:
+            step += self.wide_point + rows * self.wide_row
         return max(1, min(STEP_BLOCK, room // max(step, 1)))
 
     def _capture_ahead(self, t, size):
@@ -1473,7 +1469,7 @@ class _Context:
                                  if first <= j < stop for s in steps]
             self._at = {s: k for k, (s, _) in enumerate(walk)}
         block, idx, w = [], [], []
-        n = self.ahead_steps(size, 1, self.ahead_bytes)
+        n = self.ahead_steps(size, 1, self.ahead_bytes, residuals=self.measured)
         floor = self.floor(t)
         for k in range(self._at[t], len(walk)):
             s, j = walk[k]
@@ -1545,6 +1541,24 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
 
 def _as_float64(traj, flat) -> dict[str, torch.Tensor]:
     return {k: v.to(torch.float64) for k, v in traj.unflatten(flat).items()}
+
+
+def _residuals_in_float64(ref, traj, loss, X_train, Y_train) -> bool:
+    """Whether a path's residuals' round-off is measured against float64 residuals
+    (:meth:`_Context.rounding`): where the reference's float64 copy of the module runs
+    (:class:`_Reference`) and the loss takes its float64 outputs to float64 residuals.
+    A user's per-sample loss written for the path's dtype (a float32 constant in a
+    product, class weights) raises on them, and was only ever called in float32 before.
+    Known before the memory plan, which charges that float64 pass (:func:`_run`)."""
+    if not (ref is not None and ref.upcast and len(X_train)):
+        return False
+    params = _as_float64(traj, traj.parameters(0).to(X_train.device))
+    try:
+        r = loss.residuals(forward(ref.module, params, _wide(X_train[:1])),
+                           _wide(Y_train[:1]))
+    except Exception:  # any failure: the loss runs in the path's dtype only
+        return False
+    return r.dtype == torch.float64
 
 
 # --------------------------------------------------------------------------- factored
@@ -3310,6 +3324,16 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
     n_q, n_out = X.shape[0], len(outputs)
     n_res = n_out if weights is None else 1
     adaptive = _adaptive(method, n_nodes)
+    # A float32 path's exact method measures its batches' residuals' round-off against a
+    # float64 forward pass over them (_Context._residuals64, rounding), beside what the
+    # plan charges the batch: a float64 copy of the step's point and, per batch row, the
+    # pass's float64 inputs, activations and derivatives (twice a sample's factors in
+    # float64: 1,280 bytes measured where they are 528 in float32). Uncharged, it put
+    # torch's peak at 1.025x a 1.56 MB budget on a float32 SGD path (P = 18,817) and
+    # 1.038x a 2.17 MB one on Adam: such budgets are now refused up front.
+    residuals64 = (method == "exact" and itemsize != 8
+                   and _residuals_in_float64(ref, traj, loss, X_train, Y_train))
+    wide = (8 * P, 2 * (8 // itemsize) * node[0]) if residuals64 else (0, 0)
     # The exact method chooses its nodes from a query's outputs (float64, all of them)
     # at every recorded point, kept for the whole block.
     f_bytes = 8 * n_out * len(traj) if method == "exact" else 0
@@ -3345,9 +3369,10 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         # And, not per query, a step's vectors over the parameters (STEP_VECTORS) and
         # the exact method's node points for its captures (up to NODE_POINTS of them
         # with their stack, as the budget allows; more nodes are captured in groups):
-        # unaccounted before (2.4x a 100 kB budget on a small Adam path).
+        # unaccounted before (2.4x a 100 kB budget on a small Adam path). With the
+        # float64 point of the residuals' pass where it runs (``wide``, above).
         one = 2 * P * itemsize if method == "exact" else 0
-        fixed = STEP_VECTORS * 8 * P if method == "exact" else 0
+        fixed = (STEP_VECTORS * 8 * P + wide[0]) if method == "exact" else 0
         given = chunk
         if route == "adjoint":
             # And the copies a step's pass over the adjoint makes beside it (of a chunk
@@ -3383,7 +3408,7 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
             # block's float64 products with the adjoint and shares (up to three (Q C) x B
             # buffers: one adjoint for the whole block, not per chunk).
             b_bytes = (row + max(min(chunk, n_q) * n_res * width * itemsize, 8 * largest)
-                       + 24 * copies * min(q_block, n_q) * n_res)
+                       + 24 * copies * min(q_block, n_q) * n_res + wide[1])
             if coarse:
                 # The check's rows contracted in float32 (Adjoint's coarse): the batch's
                 # float32 formed gradients, and a chunk of rows' float32 products (at
@@ -3433,7 +3458,7 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
                    point_bytes=P * itemsize, left=None if route == "dense" else left,
                    node_points=NODE_POINTS if route == "dense" else node_points)
     ctx.hvp_block = hvp_block if route == "dense" else 0
-    ctx.measure_roundoff(method == "exact" and traj.dtype != torch.float64)
+    ctx.measure_roundoff(method == "exact" and itemsize != 8, residuals64, wide)
     # The second order's route, once for the call (not at every step): None, all outputs
     # in one pass; else the outputs, one at a time, after the double-backward check.
     ctx.hvp_outputs = (None if method != "second_order" or _all_outputs_in_one_pass(module, traj)

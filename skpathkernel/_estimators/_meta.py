@@ -457,8 +457,8 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         fit_params = {} if fit_params is None else fit_params
         outer, inner, frozen = self._resolved()
         wrapper = None if outer is inner else outer
-        to_trainer, other = sample_weight, {}
-        if _routing_enabled():
+        to_trainer, other, routing = sample_weight, {}, _routing_enabled()
+        if routing:
             # Before any work: a weight that no one requested is refused, naming whom to
             # ask (the trainer's set_fit_request), as scikit-learn's routers refuse it.
             # sample_weight=None is no metadata (as MultiOutputRegressor drops it): a
@@ -469,8 +469,6 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
             # Everything routed to the trainer reaches its fit, as MultiOutputRegressor
             # passes it: a subclass's other requested metadata too (it was dropped).
             other = {} if frozen else dict(routed.estimator.fit)
-            if wrapper is None:
-                to_trainer = other.pop("sample_weight", None)
         else:
             _raise_for_params(fit_params, self, "fit")
         if frozen:
@@ -506,9 +504,9 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
             # With routing, `other` is what the pipeline gets, in its callers' names:
             # its steps take their part, the trainer what is left for it.
             trainer, X, other = _fit_steps_before_network(
-                wrapper, X, y, other if _routing_enabled() else None)
-            if _routing_enabled():
-                to_trainer = other.pop("sample_weight", None)
+                wrapper, X, y, other if routing else None)
+        if routing:  # the weight routed to the trainer, whoever else got one
+            to_trainer = other.pop("sample_weight", None)
         # What the trainer is given: X, or what the pipeline's steps made of it.
         to_network = X
         X, y = self._validate_fit_data(X, y, flexible=getattr(inner, "module", None) is not None)

@@ -18,6 +18,7 @@ from _reference import (
     gauss_nodes,
     jacobian_loop,
     module_at,
+    torch_optim_replay,
     unrolled_reference,
 )
 from numpy.testing import assert_allclose, assert_array_equal
@@ -380,6 +381,30 @@ def test_partial_fit_on_chunks_is_exact_over_the_stream():
     # invscaling's t counts the samples of every call so far.
     assert_allclose(est.trajectory_.learning_rates[-1], 0.1 / (16 + 1) ** 0.5, rtol=1e-15)
     _check_exact(est, X, X[:3] + 0.1)
+
+
+@pytest.mark.parametrize("Est", [PathKernelMachine, PathKernelClassifier])
+def test_a_stream_may_start_with_a_single_sample(Est):
+    """MLPRegressor and MLPClassifier take a stream one sample at a time from its first
+    call on; so do the estimators (their fit needs two). The path is torch.optim's over
+    the same rows, and the regressor's decomposes exactly."""
+    X, y = _data(8)
+    params, first = dict(BASE), {}
+    if Est is PathKernelClassifier:
+        y, first = (y > 0).astype(int), {"classes": [0, 1]}
+        del params["normalize_y"]
+    sk = (MLPClassifier if Est is PathKernelClassifier else MLPRegressor)(max_iter=1)
+    sk.partial_fit(X[:1], y[:1], **first)  # the behaviour matched
+    est = Est(**params, solver="adam", learning_rate_init=0.01, tol=None)
+    for i in range(len(X)):
+        est.partial_fit(X[i:i + 1], y[i:i + 1], **(first if i == 0 else {}))
+    assert est.n_iter_ == 8 and est.trajectory_.n_steps == 8
+    assert_array_equal(est.X_fit_, X)
+    replay = torch_optim_replay(est.network_, np.ones(len(X)))
+    for ours, ref in zip(module_at(est).parameters(), replay.parameters()):
+        assert_allclose(ours.detach().numpy(), ref.detach().numpy(), rtol=0, atol=1e-13)
+    if Est is PathKernelMachine:
+        _check_exact(est, X, X[:3] + 0.1)
 
 
 def test_warm_start_on_other_data_extends_the_training_set():

@@ -739,10 +739,12 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         dtype = resolve_dtype(self.dtype)
         # A user's module may take (n, ...) arrays and integer token ids (see _inputs).
         # A fit that continues another (reset=False) checks X against it and may add a
-        # single sample (partial_fit on a stream).
+        # single sample; so may a stream's first call (``stream``: partial_fit), which
+        # MLPRegressor and MLPClassifier take one sample at a time from the start.
         reset = kwargs.pop("reset", True)
+        one_sample = kwargs.pop("stream", False) or not reset
         checks = dict(reset=reset, flexible=self.module is not None,
-                      ensure_min_samples=FIT_CHECKS["ensure_min_samples"] if reset else 1)
+                      ensure_min_samples=1 if one_sample else FIT_CHECKS["ensure_min_samples"])
         if isinstance(y, str) and y == "no_validation":
             X = validate_input(self, X, **checks, **kwargs)
             check_representable(X, dtype)
@@ -807,7 +809,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             hasattr(self, "network_") else None
         if previous is not None or incremental:
             self._check_continuable(previous)
-        X, y = self._validate_y(X, y, reset=previous is None)
+        X, y = self._validate_y(X, y, reset=previous is None, stream=incremental)
         sample_weight = _check_weights(sample_weight, X)
         if previous is not None:
             self._check_continued_targets(y)

@@ -758,16 +758,17 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         """Train one more epoch, on (X, y), continuing the fitted network and its path.
 
         MLPRegressor's out-of-core entry point: the first call starts a network (as
-        ``fit`` would, from at least 2 samples, and with ``normalize_y`` the targets'
-        mean and scale of its samples, which later calls keep), every later one (of
-        any size) continues its optimizer, schedule and stopping rule for one pass over
-        the given data. The training set of the kernel machine
-        (``X_fit_``) is the concatenation of what the calls received, in order, and the
-        trajectory's batches index into it, so that the kernels, :meth:`decompose` and
-        :meth:`attribute` cover every call. With ``trajectory_storage="disk"`` the
-        path grows in its directory and the training set is kept there too
-        (``<directory>/data``, read back as a memory-mapped ``X_fit_``), so that a
-        stream never holds it in memory between calls.
+        ``fit`` would, with ``normalize_y`` from the targets' mean and scale of its
+        samples, which later calls keep), every later one continues its optimizer,
+        schedule and stopping rule for one pass over the given data. Any call, the first
+        included, may hold a single sample (``fit`` needs two; a single first sample's
+        target is only centered, see ``normalize_y``). The training set of the kernel
+        machine (``X_fit_``) is the concatenation of what the calls received, in order,
+        and the trajectory's batches index into it, so that the kernels,
+        :meth:`decompose` and :meth:`attribute` cover every call. With
+        ``trajectory_storage="disk"`` the path grows in its directory and the training
+        set is kept there too (``<directory>/data``, read back as a memory-mapped
+        ``X_fit_``), so that a stream never holds it in memory between calls.
 
         Parameters
         ----------
@@ -977,7 +978,8 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
 
         MLPClassifier's out-of-core entry point: the first call starts a network (as
         ``fit`` would) and must name every class; every later one continues its
-        optimizer, schedule and stopping rule for one pass over the given data. The
+        optimizer, schedule and stopping rule for one pass over the given data. Any call,
+        the first included, may hold a single sample (``fit`` needs two). The
         training set of the kernel machine (``X_fit_``) is the concatenation of what the
         calls received, in order, and the trajectory's batches index into it, so that
         the kernels, :meth:`decompose` and :meth:`attribute` cover every call. With

@@ -10,6 +10,7 @@ import collections
 import copy
 import re
 import warnings
+import weakref
 
 import numpy as np
 import pandas as pd
@@ -118,28 +119,52 @@ def fitted():
         return {name: make(**SMALL).fit(X, y) for name, (make, y, _) in ESTIMATORS.items()}
 
 
-def _fresh(fitted, name):
-    # A private copy per test: a failing call that did change something must not leak.
-    import copy
-
-    return copy.deepcopy(fitted[name])
-
-
-def snapshot(est):
-    """What a failing call must leave as it was: every attribute, the network, the outputs."""
-    net = _network(est)
-    probe = est.X_fit_[:5]  # the estimator's own input form: features, images, token ids
+def _outputs(est):
+    """The estimator's outputs on its first training rows, in its own input form
+    (features, images, token ids)."""
+    probe = est.X_fit_[:5]
     if hasattr(est, "score_samples"):
-        out = est.score_samples(probe)
-    elif hasattr(est, "predict"):
-        out = est.predict(probe)
-    else:
-        out = est.transform(probe)
+        return est.score_samples(probe)
+    if hasattr(est, "predict"):
+        return est.predict(probe)
+    return est.transform(probe)
+
+
+# A module fixture's fitted estimator -> its outputs (_outputs). Computed once per
+# estimator rather than once per test: OODRankDetector's score_samples, taken on every
+# copy before and after its failing call, was most of this file's time.
+_FITTED_OUTPUTS = weakref.WeakKeyDictionary()
+
+
+def _fresh(fitted, key):
+    """A private copy per test (a failing call that did change something must not leak),
+    and its snapshot before the test's call.
+
+    The copy's outputs before the call are those of the fixture's estimator, which no test
+    changes: a deepcopy computes what its original does (a copy that did not would fail
+    the test's comparison after the call, which computes the copy's own outputs). The
+    original's outputs are taken before it is first copied, so that whatever a first
+    call leaves behind (a cache) is in the copy as it was in the copy's own first call.
+    """
+    original = fitted[key]
+    if original not in _FITTED_OUTPUTS:
+        _FITTED_OUTPUTS[original] = _outputs(original)
+    est = copy.deepcopy(original)
+    return est, snapshot(est, out=_FITTED_OUTPUTS[original])
+
+
+def snapshot(est, out=None):
+    """What a failing call must leave as it was: every attribute, the network, the outputs
+    (``out``: the outputs, when known to be the estimator's, see :func:`_fresh`)."""
+    net = _network(est)
+    if out is None:
+        out = _outputs(est)
+    params = est.get_params()
     return {
         "keys": sorted(vars(est)),
         # Fitted state by identity (a failing call may not replace any of it); parameters,
         # which the tests set and restore, by value.
-        "ids": {k: id(v) for k, v in vars(est).items() if k not in est.get_params()},
+        "ids": {k: id(v) for k, v in vars(est).items() if k not in params},
         "n_features_in_": est.n_features_in_,
         "names": getattr(est, "feature_names_in_", None),
         "params": est.get_params(deep=False),
@@ -178,9 +203,8 @@ CALLS = [(e, m) for e, m in _cases(METHODS)
 @pytest.mark.parametrize("case", list(BAD_X))
 @pytest.mark.parametrize(("name", "method"), CALLS)
 def test_bad_X_is_refused_and_changes_nothing(fitted, name, method, case):
-    est = _fresh(fitted, name)
+    est, before = _fresh(fitted, name)
     A, error, match = BAD_X[case]
-    before = snapshot(est)
     with pytest.raises(error, match=match):
         METHODS[method](est, A)
     assert_unchanged(est, before)
@@ -244,9 +268,8 @@ FIT_CASES = [(e, c) for e in ESTIMATORS for c in BAD_FIT
 
 @pytest.mark.parametrize(("name", "case"), FIT_CASES)
 def test_bad_fit_data_is_refused_and_the_previous_fit_kept(fitted, name, case):
-    est = _fresh(fitted, name)
+    est, before = _fresh(fitted, name)
     A, kind, error, match = BAD_FIT[case]
-    before = snapshot(est)
     with pytest.raises(error, match=match):
         est.fit(A, _y(kind, ESTIMATORS[name][1]))
     assert_unchanged(est, before)
@@ -314,8 +337,7 @@ def _not_a_module(n_in, n_out):
      for name in ALL], ids=lambda v: v.__name__ if callable(v) else str(
          {k: getattr(x, "__name__", x) for k, x in v.items()} if isinstance(v, dict) else v))
 def test_bad_parameters_are_refused_and_the_previous_fit_kept(fitted, name, params, match):
-    est = _fresh(fitted, name)
-    before = snapshot(est)
+    est, before = _fresh(fitted, name)
     # A meta-estimator's training parameters are its trainer's: estimator__<name>.
     own = est.get_params(deep=False)
     params = {k if k in own else f"estimator__{k}": v for k, v in params.items()}
@@ -429,9 +451,8 @@ BAD_ARGS = {
     (name, case) for case, (names, *_) in BAD_ARGS.items() for name in names
 ])
 def test_bad_method_arguments_are_refused_and_change_nothing(fitted, name, case):
-    est = _fresh(fitted, name)
+    est, before = _fresh(fitted, name)
     _, call, error, match = BAD_ARGS[case]
-    before = snapshot(est)
     with pytest.raises(error, match=match):
         call(est)
     assert_unchanged(est, before)
@@ -444,8 +465,7 @@ def test_a_non_finite_scalar_sample_weight_is_refused(fitted, name, verb, weight
     # scikit-learn checks an array of weights but broadcasts a scalar unchecked: a NaN
     # one failed fit as a diverged loss, or with "sample_weight is 0 on every sample" for
     # a classifier, and partial_fit recorded a step of loss 0 that moved nothing.
-    est = _fresh(fitted, name)
-    before = snapshot(est)
+    est, before = _fresh(fitted, name)
     n_points = len(_network(est).trajectory_)
     y = ESTIMATORS[name][1]
     with pytest.raises(ValueError, match="sample_weight must be finite"):
@@ -465,8 +485,7 @@ def test_partial_fit_refuses_bad_classes(fitted, classes, match):
     # it, and labels predicted as floats. A string was refused in words about y.
     with pytest.raises(ValueError, match=match):
         PathKernelClassifier(**SMALL).partial_fit(X, Y_CLF, classes=classes)
-    est = _fresh(fitted, "PathKernelClassifier")
-    before = snapshot(est)
+    est, before = _fresh(fitted, "PathKernelClassifier")
     with pytest.raises(ValueError, match=match):
         est.partial_fit(X, Y_CLF, classes=classes)
     assert_unchanged(est, before)
@@ -587,9 +606,8 @@ _KERNEL_ESTIMATORS = ("PathKernelClassifier", "OODRankDetector")
     and (method not in _KERNELS or name in _KERNEL_ESTIMATORS)
 ])
 def test_bad_nd_X_is_refused_and_changes_nothing(fitted_nd, name, method, kind, case):
-    est = copy.deepcopy(fitted_nd[name, kind])
+    est, before = _fresh(fitted_nd, (name, kind))
     A, error, match = BAD_ND_X[kind][case]
-    before = snapshot(est)
     with pytest.raises(error, match=match):
         ND_METHODS[method](est, A)
     assert_unchanged(est, before)
@@ -624,9 +642,8 @@ BAD_ND_FIT = {
 @pytest.mark.parametrize(("kind", "case"), [(k, c) for k in BAD_ND_FIT for c in BAD_ND_FIT[k]])
 @pytest.mark.parametrize("name", ALL)
 def test_bad_nd_fit_data_is_refused_and_the_previous_fit_kept(fitted_nd, name, kind, case):
-    est = copy.deepcopy(fitted_nd[name, kind])
+    est, before = _fresh(fitted_nd, (name, kind))
     A, error, match = BAD_ND_FIT[kind][case]
-    before = snapshot(est)
     with pytest.raises(error, match=match):
         est.fit(A, _y_for(est, len(A)))
     assert_unchanged(est, before)
@@ -769,8 +786,7 @@ def test_sparse_X_names_the_pipeline_settings_that_densify(fitted, name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # max_iter=3 does not converge
         make_pipeline(OneHotEncoder(sparse_output=False), make(**SMALL)).fit(X_cat, Y_CLF)
-    est = _fresh(fitted, name)
-    before = snapshot(est)
+    est, before = _fresh(fitted, name)
     with pytest.raises(TypeError, match=r"sparse matrix.*sparse_threshold=0"):
         est.predict(sp.csr_matrix(X))
     with pytest.raises(TypeError, match=r"sparse matrix.*sparse_output=False"):

@@ -3383,8 +3383,21 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
     residuals64 = (method == "exact" and itemsize != 8
                    and _residuals_in_float64(ref, traj, loss, X_train, Y_train))
     wide = (8 * P, 2 * (8 // itemsize) * node[0]) if residuals64 else (0, 0)
+    # What the call holds beside the plan's terms for all of it: a float32 path's
+    # training data and queries in its dtype (the call's conversion of the float64
+    # inputs: charged where they may be views of the caller's too), the queries' initial
+    # and final outputs (float64), and the exact method's float64 copies of the module,
+    # the queries and the point (_Reference). Uncharged, with the training data the
+    # estimators converted twice, torch's peak on a float32 32-32-2 MLP (P = 1,122, 200
+    # samples, 10 queries) was 1.53x a 120 kB budget the plan accepted (1.33x 200 kB
+    # on Adam): such budgets are now refused, naming the least (it grows with the
+    # queries: they are the call's input and work).
+    held = ((X_train.nbytes + Y_train.nbytes + X.nbytes) * (itemsize != 8)
+            + 16 * n_q * n_res
+            + ((16 * P + ref.X.nbytes) if ref is not None and ref.upcast else 0))
     # The exact method chooses its nodes from a query's outputs (float64, all of them)
-    # at every recorded point, kept for the whole block.
+    # at every recorded point, kept for the whole block (decompose's ``paths``: for the
+    # whole call where the check walks again, see below).
     f_bytes = 8 * n_out * len(traj) if method == "exact" else 0
     if route == "dense":
         # lambda (float64), rho and the node buffer (Q x n_res x P each) and a Jacobian's
@@ -3414,14 +3427,19 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         # A float32 path's exact method sums the shares' round-off too (N x C float64).
         sizes = method == "exact" and itemsize != 8
         q_bytes = (copies * (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N
-                           + 4 * row) + 8 * n_res * N * sizes + f_bytes)
+                           + 4 * row) + 8 * n_res * N * sizes)
+        # The queries' f at every point is kept for every block, not one (decompose's
+        # ``paths``, read again by the check's walk): charged per block, the blocks
+        # walked before held it beside the plan (8 B a query, output and point: 4 kB on
+        # the 32-32-2 MLP above with 30 queries in blocks of a few).
+        held += n_q * f_bytes
         # And, not per query, a step's vectors over the parameters (STEP_VECTORS) and
         # the exact method's node points for its captures (up to NODE_POINTS of them
         # with their stack, as the budget allows; more nodes are captured in groups):
         # unaccounted before (2.4x a 100 kB budget on a small Adam path). With the
         # float64 point of the residuals' pass where it runs (``wide``, above).
         one = 2 * P * itemsize if method == "exact" else 0
-        fixed = (STEP_VECTORS * 8 * P + wide[0]) if method == "exact" else 0
+        fixed = held + ((STEP_VECTORS * 8 * P + wide[0]) if method == "exact" else 0)
         given = chunk
         if route == "adjoint":
             # And the copies a step's pass over the adjoint makes beside it (of a chunk

@@ -673,7 +673,11 @@ ValueError
         (``attribute`` and ``explain`` decompose too), names it in the warnings."""
         check_decompose_args(method, weighting, n_nodes, tol)
         X = self.check(X)
-        X_fit = self._training_data()[0]  # its errors here, not on the workers
+        # Its errors here, not on the workers; the serial call decomposes with these
+        # tensors (a second conversion held a float32 path's training data twice, beside
+        # the memory plan: 27 kB of a 120 kB budget on a 32-32-2 MLP).
+        data = self._training_data()
+        X_fit = data[0]
         # The causes by name, for every method: the exact one's closure check measures
         # the miss but can only guess at why (it names the quadrature first).
         analysis = f"{verb}(method={method!r})"
@@ -688,7 +692,7 @@ ValueError
                              n_tasks(n_jobs, len(self.trajectory) - 1), n_nodes=n_nodes,
                              tol=tol)
         if ranges is None and min(n_row_blocks(n_jobs, X), -(-len(X) // align)) == 1:
-            return finish(*self._decompose_block(X, weights, kwargs), units, verb)
+            return finish(*self._decompose_block(X, weights, kwargs, data), units, verb)
         net = self.for_workers(by_reference=local_processes())
         weights = None if weights is None else np.asarray(weights, dtype=np.float64)
         if ranges is not None:  # every worker a range of steps for all queries
@@ -702,9 +706,10 @@ ValueError
                                align=align)
         return finish(*merge(parts), units, verb)
 
-    def _decompose_block(self, X, weights, kwargs):
-        """``(result, checks)`` of the queries X in the network's units, no warnings."""
-        X_fit, Y_fit = self._training_data()
+    def _decompose_block(self, X, weights, kwargs, data=None):
+        """``(result, checks)`` of the queries X in the network's units, no warnings
+        (``data``: the training tensors where the caller made them)."""
+        X_fit, Y_fit = self._training_data() if data is None else data
         return decompose_path(
             self.module, self.trajectory, X_fit, Y_fit, self.loss, self.tensor(X),
             memory_budget=self.memory_budget, weights=weights, warn=False, **kwargs)

@@ -179,9 +179,10 @@ def test_results_do_not_depend_on_block_sizes(solver, monkeypatch):
                                **solver).fit(X, (X[:, 0] > 0) + (X[:, 1] > 0))
     Xq = X[:5] + 0.1
     big = {w: est.decompose(Xq, weighting=w) for w in ("realized", "expected")}
-    # The least budget with a step's parameter points and the per-contribution check's
-    # rows charged (8 KiB held 1.7-2.5x it): batch blocks of one row.
-    small = est.set_params(memory_budget=16424)
+    # The least budget with a step's parameter points, the per-contribution check's
+    # rows and the queries' outputs held for the call charged (8 KiB held 1.7-2.5x it):
+    # batch blocks of one row.
+    small = est.set_params(memory_budget=16824)
     monkeypatch.setattr(pairs, "CHUNK_BYTES", 64)
     for weighting, ref in big.items():
         res = small.decompose(Xq, weighting=weighting)

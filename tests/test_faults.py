@@ -192,12 +192,14 @@ def test_decompose_counts_the_stored_outputs_and_refuses_below_its_need(machine)
                                          rf"memory_budget={least - 1:,} bytes"):
         _with_budget(est, least - 1).decompose(Xm[:3])
     # The same network trained for longer: only the outputs at the extra recorded points
-    # (float64, one per output) add to what a query needs.
+    # (float64, one per output) add to what the call needs, for each of its 3 queries
+    # (every query's outputs are held for the whole call: the check walks again).
     longer = copy.deepcopy(est).set_params(max_iter=8, tol=None).fit(Xm, est.predict(Xm))
     extra = len(longer.trajectory_) - len(est.trajectory_)
     assert extra > 0
     n_out = est.predict(Xm[:1]).shape[1]
-    assert _least_budget(lambda e: e.decompose(Xm[:3]), longer) == least + 8 * n_out * extra
+    assert (_least_budget(lambda e: e.decompose(Xm[:3]), longer)
+            == least + 3 * 8 * n_out * extra)
 
 
 @pytest.mark.parametrize("method", ["residual", "alignment", "local"])

@@ -149,17 +149,12 @@ path, ``|df_t|`` the step's largest change), so that the steps' errors add up to
 the factors the residual cannot resolve the quadrature error: a step whose residual
 reaches that floor stops there. Where the floor is one learnt at another step (raised
 where a step stalled at its round-off), a node more must first fail to cut the residual
-tenfold, or (a fall of 1/2 to 9/10) fail to fall at the node after: a quadrature error
-falls steadily, round-off does not, and a steady fall takes the nodes down to the
-step's own round-off. Nodes added without cutting a residual under ``FLOOR_MAX`` times
-that floor's factor part by a tenth (``STILL``; by 1/2 to 9/10, and not again at the
-node after) say the same: the factors' rounding, nearly alike at nodes this close,
-adds up over the nodes while the 2-norm of the terms it is scaled by falls with the
-weights (a float32 query alone, its share of tol under its residual's round-off, took
-nodes to the memory limit). The step stops there, and the later ones assume that
-floor. A quadrature error that falls by rho a node is measured by the two rules'
-difference only where rho <= 1/2 (it under-reads by rho / (1 - rho)): a fall of 1/2 to
-9/10 is not taken for round-off on one try alone. A step that reaches neither
+tenfold: a quadrature error falls, round-off does not. Nodes added without halving a
+residual under ``FLOOR_MAX`` times that floor's factor part say the same: the factors'
+rounding, nearly alike at nodes this close, adds up over the nodes while the 2-norm of
+the terms it is scaled by falls with the weights (a float32 query alone, its share of
+tol under its residual's round-off, took nodes to the memory limit). The step stops
+there, and the later ones assume that floor. A step that reaches neither
 within ``MAX_NODES`` nodes (or stops converging: a non-smooth activation) is reported in
 a ConvergenceWarning.
 
@@ -355,14 +350,6 @@ FACTORS = 4
 # A residual that stops falling below FLOOR_MAX * eps * spread is round-off, not a kink
 # (relu kinks leave residuals orders of magnitude above it).
 FLOOR_MAX = 100
-# Under that ceiling, a residual that nodes added cut to no less than STILL of itself
-# is round-off (it does not fall with the nodes); a cut to 1/2-STILL is settled by the
-# node after (round-off's noise does not fall twice, as a rule). A quadrature error
-# falling by rho per node is returned by the rule with a node more and measured by the
-# two rules' difference, which under-reads it by rho / (1 - rho) where rho > 1/2: the
-# laxer tests before (not halving, or not falling tenfold) took errors falling
-# 0.5-0.85 a node for round-off, read 2-6x under (benchmarks/results/node_probe-s58.md).
-STILL = 0.9
 # The relative reconstruction error that an exact decomposition reaches beyond its
 # quadrature residuals, from the linear algebra's round-off; larger ones warn.
 INEXACT_FLOOR = {torch.float64: 1e-10, torch.float32: 1e-4}
@@ -625,12 +612,6 @@ class _Quadrature:
         self._since_lower = 0 if lowered else self._since_lower + 1
         seen, stalled = [], False
         probe = None  # the count whose residual a node more is checking (see below)
-        learnt = self._floor  # the factors' round-off this step assumes, in eps * spread
-        # Whether this try is the node added to tell a fall of 1/2 to STILL (see
-        # below), whether the step's residual has fallen twice in a row, and the count
-        # before the first such fall.
-        unsure = steady = False
-        before = None
         while True:
             # The try before is dropped before the next is captured: both alive held
             # the captures of two node counts at once (on a narrow ResNet, with the
@@ -647,52 +628,31 @@ class _Quadrature:
             # a multiple of their dtype's eps times the 2-norm of the product's terms
             # (measured 0.02-16x; learnt from the steps that reached it).
             spread = self._spread(spread)
-            ceiling = noise + FLOOR_MAX * spread
-            fell = r / seen[-1][1] if seen and seen[-1][1] > 0 else math.inf
-            settles, unsure = unsure, False
-            if settles and fell <= STILL:
-                # Two falls in a row: a quadrature error, which the floor learnt at
-                # another step hid. This step takes its own round-off, and the nodes
-                # its residuals' fall asks for.
-                learnt, probe, steady = FACTORS, None, True
-            floor = noise + learnt * spread
+            floor = noise + self._floor * spread
             if not math.isfinite(floor):
                 # The terms' norm overflowed: an infinite floor would accept any residual.
                 self.failed[t] = r
                 break
             goal = max(budget, floor)
-            self._floors[t] = ceiling
-            # Nodes added without the residual falling (STILL), under the round-off
-            # ceiling: the factors' round-off, which the floor assumed so far
-            # under-reads. Their errors at nodes this close are nearly the same, so they
-            # add alike over the nodes while spread, a 2-norm, falls with the weights (a
-            # float32 query alone, whose share of tol was under its residual's
-            # round-off, took 7-31 nodes where 2-5 reached it:
-            # benchmarks/results/node_floor-s57.md). A quadrature error of a smooth
-            # integrand falls 10-300x per node (measured), a kink's stays orders of
-            # magnitude above the ceiling.
-            flat = bool(seen) and budget < r <= ceiling and fell > STILL
-            # A fall of 1/2 to STILL there is either: a quadrature error falling slowly,
-            # which the two rules' difference would under-read, or round-off's noise
-            # (float32 residuals at round-off moved 0.6-1.4x from one count to the
-            # next, benchmarks/results/node_probe-s58.md). A node more tells: round-off
-            # does not fall again.
-            doubt = (not settles and not steady and n < cap and 0.5 < fell <= STILL
-                     and max(budget, noise + FACTORS * spread) < r <= ceiling)
+            self._floors[t] = noise + FLOOR_MAX * spread
+            # Nodes added without the residual halving, under the round-off ceiling: the
+            # factors' round-off, which the floor assumed so far under-reads. Their
+            # errors at nodes this close are nearly the same, so they add alike over the
+            # nodes while spread, a 2-norm, falls with the weights (a float32 query alone,
+            # whose share of tol was under its residual's round-off, took 7-31 nodes
+            # where 2-5 reached it: benchmarks/results/node_floor-s57.md). A quadrature
+            # error of a smooth integrand falls 10-300x per node (measured), a kink's
+            # stays orders of magnitude above the ceiling.
+            flat = (bool(seen) and r > budget and r > seen[-1][1] / 2
+                    and r <= noise + FLOOR_MAX * spread)
             if seen and seen[-1][1] > floor and r > floor and not flat:
                 (n0, r0) = seen[-1]
                 self._ratio = min(max((r / r0) ** (1.0 / (n - n0)), 1e-3), 0.9)
             seen.append((n, r))
-            if doubt:
-                unsure = True
-                before = seen[-2][0] if before is None else before
-                n += 1
-                continue
             if probe is not None:
                 if seen[-2][1] / 10 < r <= goal:
-                    # The node (or two) more did not cut the residual an order of
-                    # magnitude, nor fell twice: round-off. The next steps start from
-                    # the count before it.
+                    # The node more did not cut the residual an order of magnitude:
+                    # round-off. The next steps start from the count before it.
                     break
                 probe = None  # it fell: quadrature error, under the budget or not yet
             if r <= goal:
@@ -706,11 +666,8 @@ class _Quadrature:
                 probe = n
                 n += 1
                 continue
-            # A doubling from 8 that gained under 10x (see _stalled) while the residual
-            # still falls, under the ceiling: a slow quadrature error, neither round-off
-            # nor a kink's: it takes its nodes, or fails at the cap and is reported.
-            stalled = _stalled(seen) and not (fell <= STILL and r <= ceiling)
-            if flat or stalled and r <= ceiling:
+            stalled = _stalled(seen)
+            if flat or stalled and r <= noise + FLOOR_MAX * spread:
                 # Not a kink: the residual sits at the factors' round-off, higher than
                 # the floor assumed so far. Later steps assume this one (and the probe
                 # above tells their quadrature errors from it), and start from the
@@ -718,8 +675,7 @@ class _Quadrature:
                 self._floor = min(FLOOR_MAX, 2 * (r - noise) / max(spread, 1e-300))
                 stalled = False
                 if flat:
-                    # (Before the falls of 1/2 to STILL too: round-off's noise.)
-                    probe = seen[-2][0] if before is None else before
+                    probe = seen[-2][0]
                 break
             if n >= cap or stalled:
                 self.failed[t] = r
@@ -729,11 +685,6 @@ class _Quadrature:
             # Geometric convergence: the nodes that bring r under the goal (at most 1.5x
             # the nodes per try, the ratio is a guess until two residuals are seen).
             need = math.log(r / goal) / -math.log(self._ratio)
-            if steady and r <= ceiling:
-                # Falls this slow under the ceiling were round-off's noise too, at
-                # times twice in a row: a node at a time stops there at the first try
-                # that does not fall (flat), where a jump took 4 nodes more.
-                need = 1
             n = min(cap, n + min(max(4, n // 2), max(1, math.ceil(need))))
         if t not in self.failed:
             # A failed step's count says nothing about the next: it starts from the last

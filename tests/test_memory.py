@@ -344,7 +344,7 @@ def test_a_second_order_budget_raised_to_the_stated_minimum_suffices(fitted_for_
     try:
         with pytest.raises(ValueError, match="at least") as refused:
             est.decompose(Xq[:3], method="second_order")
-        stated = int(str(refused.value).rsplit("at least ", 1)[1].rstrip(".").replace(",", ""))
+        stated = _stated_least(refused.value)
         est.set_params(memory_budget=stated)
         small = est.decompose(Xq[:3], method="second_order").contributions
     finally:
@@ -497,6 +497,11 @@ def _small_float32_path(solver):
     return est, rng.uniform(-1, 1, size=(4, 32))
 
 
+def _stated_least(error):
+    """The budget a refusal asks for ("Raise memory_budget to at least N.")."""
+    return int(str(error).rsplit("at least ", 1)[1].rstrip(".").replace(",", ""))
+
+
 def _named_least(est, Xq, budget):
     """The least budget the refusal of ``est.decompose(Xq)`` at ``budget`` names."""
     est.set_params(memory_budget=budget)
@@ -505,7 +510,7 @@ def _named_least(est, Xq, budget):
             est.decompose(Xq)
     finally:
         est.set_params(memory_budget=2**30)
-    return int(str(refused.value).rsplit("at least ", 1)[1].rstrip(".").replace(",", ""))
+    return _stated_least(refused.value)
 
 
 @pytest.mark.parametrize("residuals64", [True, False])

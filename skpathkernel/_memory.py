@@ -17,16 +17,18 @@ __all__ = ["FIXED_BLOCK", "feature_block_rows", "large_tensor", "map_fixed_block
            "retained_heap", "rows_per_block"]
 
 
-def rows_per_block(memory_budget: int, row_bytes: int, what: str) -> int:
+def rows_per_block(memory_budget: int, row_bytes: int, what: str,
+                   unit: str = "a single sample") -> int:
     """Rows of a block that take at most ``memory_budget`` bytes at ``row_bytes`` each.
 
     Refuses, before any work starts, a computation whose single row does not fit: the
-    error names the bytes one row needs.
+    error names the bytes one row needs, "for ``unit``" (what one row stands for, where
+    the bytes count more than one sample's).
     """
     row_bytes = max(int(row_bytes), 1)
     if row_bytes > memory_budget:
         raise ValueError(
-            f"{what} needs {row_bytes:,} bytes for a single sample, more than "
+            f"{what} needs {row_bytes:,} bytes for {unit}, more than "
             f"memory_budget={int(memory_budget):,} bytes. Raise memory_budget to at least "
             f"{row_bytes:,}."
         )

@@ -188,7 +188,11 @@ def _least_budget(f, est):
 def test_decompose_counts_the_stored_outputs_and_refuses_below_its_need(machine):
     est, Xm = machine
     least = _least_budget(lambda e: e.decompose(Xm[:3]), est)
-    with pytest.raises(ValueError, match=rf"needs {least:,} bytes for a single sample.*"
+    # The least budget is stated for what it counts: a query and a batch row beside what
+    # the call holds for all of its queries (not "a single sample" alone).
+    with pytest.raises(ValueError, match=rf"needs {least:,} bytes for one query and one "
+                                         rf"batch row beside what the call holds for its "
+                                         rf"3 queries, more than "
                                          rf"memory_budget={least - 1:,} bytes"):
         _with_budget(est, least - 1).decompose(Xm[:3])
     # The same network trained for longer: only the outputs at the extra recorded points

@@ -3450,7 +3450,9 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         # query and one batch row must fit: the least budget, refused below.
         least = q_bytes + scratch(1) + sides(1)[2]
         rows_per_block(memory_budget, least + fixed + one,
-                       "The decomposition's adjoint buffers and per-sample loss gradients")
+                       "The decomposition's adjoint buffers and per-sample loss gradients",
+                       unit=f"one query and one batch row beside what the call holds for "
+                            f"its {n_q:,} {'query' if n_q == 1 else 'queries'}")
         node_points = max(1, min(NODE_POINTS, (memory_budget - least - fixed) // max(one, 1)))
         points = fixed + node_points * one
         room = memory_budget - points

@@ -44,12 +44,15 @@ def _context():
     if "forkserver" not in mp.get_all_start_methods():  # Windows: spawn, as before
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload([worker.__name__, "torch._dynamo"])
+    # DDP's construction imports torch._dynamo (~800 modules, 3.5 s); then gc.freeze(),
+    # so that a rank's gc.collect() skips the preloaded objects (1 s a rank).
+    context.set_forkserver_preload([worker.__name__, "torch._dynamo", "_forkserver_frozen"])
     # Python 3.11's server does not take this process's sys.path (tests/, and this tree's
     # skpathkernel before an installed one): it could not import the worker, which it
     # skips in silence, or could import another skpathkernel. It gets it as PYTHONPATH.
     # Started once; for a later test, ensure_running() finds it alive.
-    with mock.patch.dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)):
+    with mock.patch.dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path),
+                         _SKPATHKERNEL_FORKSERVER="1"):
         forkserver.ensure_running()
     return context
 

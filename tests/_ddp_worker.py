@@ -1,6 +1,7 @@
 """The processes of tests/test_distributed.py: a DDP training loop recorded by PathRecorder.
 
-Started by ``torch.multiprocessing.spawn``; each writes what the test checks under
+Started as processes of a ``forkserver`` context that preloads this module (or
+``spawn`` where there is none); each writes what the test checks under
 ``out`` (the writer's trajectory, every rank's errors) instead of returning it.
 """
 
@@ -213,6 +214,17 @@ def _destroy_process_group():
     gc.collect()  # DDP's wrapper, in reference cycles, while the group is held here
     dist.destroy_process_group()
     del group  # torch's ProcessGroup releases the GIL as it is freed
+
+
+def main_logged(log, *args):
+    """``main(*args)`` with the process's output (Python's and C++'s: fds 1 and 2) in the
+    file ``log``. A forkserver's child writes where the server's output went, which is
+    the capture of the test that started the server, not the test of this rank: the test
+    shows this file instead."""
+    with open(log, "w") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    main(*args)
 
 
 def main(rank, world, port, out, scenario):

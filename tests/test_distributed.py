@@ -6,9 +6,13 @@ reference is the network's own output.
 """
 
 import json
+import os
 import re
 import socket
+import sys
 import warnings
+from multiprocessing import forkserver
+from unittest import mock
 
 import _ddp_worker as worker
 import numpy as np
@@ -30,12 +34,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _context():
+    """Where the ranks start: forked from a forkserver that has imported the worker (torch,
+    skpathkernel) and run nothing, so each rank starts in well under a second instead of
+    importing them for 6-7 s as a spawned one does. A fork of this process instead would
+    copy the OpenMP pool the tests' compute started, which a child cannot use; the server
+    never computed, so its children are as fresh as spawned ones. The server is this
+    process's (one per pytest-xdist worker), started at the first test and reused."""
+    if "forkserver" not in mp.get_all_start_methods():  # Windows: spawn, as before
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    # DDP's construction imports torch._dynamo (~800 modules, 3.5 s); then gc.freeze(),
+    # so that a rank's gc.collect() skips the preloaded objects (1 s a rank).
+    context.set_forkserver_preload([worker.__name__, "torch._dynamo", "_forkserver_frozen"])
+    # Python 3.11's server does not take this process's sys.path (tests/, and this tree's
+    # skpathkernel before an installed one): it could not import the worker, which it
+    # skips in silence, or could import another skpathkernel. It gets it as PYTHONPATH.
+    # Started once; for a later test, ensure_running() finds it alive.
+    with mock.patch.dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path),
+                         _SKPATHKERNEL_FORKSERVER="1"):
+        forkserver.ensure_running()
+    return context
+
+
 def _spawn(world, tmp_path, scenario="ok"):
     out, port = str(tmp_path), _free_port()
     # Processes of their own, not mp.spawn's join: that one kills the other ranks when
     # one fails, and the crash test needs the survivor to finish.
-    context = mp.get_context("spawn")
-    procs = [context.Process(target=worker.main, args=(r, world, port, out, scenario))
+    context = _context()
+    logs = [tmp_path / f"rank{r}.log" for r in range(world)]
+    procs = [context.Process(target=worker.main_logged,
+                             args=(str(logs[r]), r, world, port, out, scenario))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -43,6 +72,9 @@ def _spawn(world, tmp_path, scenario="ok"):
         p.join(900)  # generous: a loaded machine imports torch slowly
         if p.is_alive():
             p.kill()
+    for r, log in enumerate(logs):  # shown with a failure: a rank's traceback, gloo's log
+        if log.exists() and log.stat().st_size:
+            print(f"--- rank {r} (exit code {procs[r].exitcode}):\n{log.read_text()}")
     reports = {}
     for r in range(world):
         try:

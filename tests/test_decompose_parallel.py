@@ -271,7 +271,11 @@ def test_replay_across_query_blocks(sgd32_fitted, monkeypatch):
     run = _decomposition._factored_block
     monkeypatch.setattr(_decomposition, "_factored_block",
                         lambda ctx, Xb, *a, **k: (blocks.append(len(Xb)), run(ctx, Xb, *a, **k))[1])
-    budget = 60_000  # one query a block on this network (more than one block: below)
+    # Blocks of two queries (2, 2, 1) on this network: the node choice crosses two block
+    # boundaries, and each block's rows are cut into a few chunks. 60,000 (one query a
+    # block) checked the same carry-over at four boundaries, but its tiny row chunks
+    # took 14x the CPU (163 s for the serial call alone, 11.8 s here).
+    budget = 120_000
     serial = decompose(net.module, net.trajectory, X_fit, Y_fit, net.loss, net.tensor(Xq),
                        memory_budget=budget)
     assert len(blocks) > 1

@@ -52,6 +52,32 @@ def _loop(module, params, X):
     return jacobian_loop(ref, X)
 
 
+# The loop's Jacobians of a case's inputs, computed once per process: the routes, outputs
+# and functions checked against them are several tests of the same module, parameters and
+# inputs (``_make`` is seeded), and the loop, not the code under test, is most of their
+# time. A hit is used only where the parameters and inputs equal those it was computed
+# at, so the reference stays the loop's Jacobian of exactly what the test passes.
+_LOOPS = {}
+
+
+def _cached_loop(key, module, params, X):
+    """``_loop(module, params, X)``, reused for the same ``key``, parameters and inputs."""
+    hit = _LOOPS.get(key)
+    if (hit is not None and hit[0].keys() == params.keys()
+            and all(torch.equal(hit[0][k], v) for k, v in params.items())
+            and torch.equal(hit[1], X)):
+        return hit[2]
+    J = _loop(module, params, X)
+    _LOOPS[key] = ({k: v.clone() for k, v in params.items()}, X.clone(), J)
+    return J
+
+
+def _case_loops(case, n_out, module, params, X, Y):
+    """The loop's ``(J(X), J(Y))`` of ``_make(case, n_out)``'s network and inputs."""
+    return (_cached_loop((case, n_out, "X"), module, params, X),
+            _cached_loop((case, n_out, "Y"), module, params, Y))
+
+
 # ------------------------------------------------------------------------- networks
 class _Head(nn.Module):
     """``body`` then flatten and a Linear to ``n_out`` outputs (tanh between)."""
@@ -431,7 +457,7 @@ def test_attention_with_dropout_in_training_keeps_torchs_function():
 def test_gram_and_diagonal_match_loop(case, route, monkeypatch):
     _forced(monkeypatch, route)
     module, params, X, Y = _make(case, 3)
-    JX, JY = _loop(module, params, X), _loop(module, params, Y)
+    JX, JY = _case_loops(case, 3, module, params, X, Y)
     full = torch.einsum("ncp,mdp->ncmd", JX, JY)
     _close(tangent_gram(module, params, X, Y, output="full"), full)
     _close(tangent_gram(module, params, X, Y), torch.einsum("ncmc->nm", full) / 3)
@@ -451,7 +477,7 @@ def test_preconditioned_and_cross_parameter_grams_match_loop(case, route, monkey
     # decomposition's J(X; theta) J(Y; theta')^T.
     _forced(monkeypatch, route)
     module, params, X, Y = _make(case, 2)
-    JX, JY = _loop(module, params, X), _loop(module, params, Y)
+    JX, JY = _case_loops(case, 2, module, params, X, Y)
     gen = torch.Generator().manual_seed(1)
     D = 1.0 / (torch.rand(JX.shape[2], generator=gen, dtype=torch.float64) ** 2 + 1e-8).sqrt()
     full = torch.einsum("ncp,p,mdp->ncmd", JX, D, JY)
@@ -462,7 +488,7 @@ def test_preconditioned_and_cross_parameter_grams_match_loop(case, route, monkey
            torch.einsum("ncp,p,ndp->ncd", JX, D, JX))
     other = {k: v + 0.05 * torch.randn(v.shape, generator=gen, dtype=v.dtype)
              for k, v in params.items()}
-    JYo = _loop(module, other, Y)
+    JYo = _cached_loop((case, 2, "Y at other"), module, other, Y)
     _close(tangent_gram(module, params, X, Y, output="full", params_y=other),
            torch.einsum("ncp,mdp->ncmd", JX, JYo))
 
@@ -472,7 +498,7 @@ def test_batched_backprops_match_loop(case, batched_backprops):
     # The GPU's one batched backward pass over the outputs (is_grads_batched), run on the
     # CPU: the same Gram, diagonal and features as the loop of per-sample autograd.
     module, params, X, Y = _make(case, 3)
-    JX, JY = _loop(module, params, X), _loop(module, params, Y)
+    JX, JY = _case_loops(case, 3, module, params, X, Y)
     _close(tangent_gram(module, params, X, Y, output="full"),
            torch.einsum("ncp,mdp->ncmd", JX, JY))
     _close(tangent_gram(module, params, X), torch.einsum("ncp,mcp->nm", JX, JX) / 3)
@@ -488,7 +514,7 @@ def test_batched_backprops_match_loop(case, batched_backprops):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_features_match_loop(case):
     module, params, X, _ = _make(case, 3)
-    J = _loop(module, params, X)
+    J = _cached_loop((case, 3, "X"), module, params, X)
     _close(tangent_features(module, params, X, output="full"), J)
     _close(tangent_features(module, params, X), J.reshape(len(J), -1) / math.sqrt(3))
     _close(tangent_features(module, params, X, output=2), J[:, 2])
@@ -537,7 +563,7 @@ def _projection_reference(module, params, X, J, k, seed, output):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_projection_matches_its_definition(case, output):
     module, params, X, _ = _make(case, 2)
-    J = _loop(module, params, X)
+    J = _cached_loop((case, 2, "X"), module, params, X)
     if isinstance(output, int):
         J = J[:, output : output + 1]
     got = project_tangent_features(module, params, X, 16, random_state=5, output=output)

@@ -274,12 +274,14 @@ _JACOBIANS = {}
 
 
 def _same_jacobian(module, params, x):
-    """:func:`_jacobian`, computed once per module (its repr: layers and activations),
-    parameters and inputs; a module with hooks (which its repr does not show) is not
-    cached."""
+    """:func:`_jacobian`, computed once per module (its repr: layers and activations;
+    its buffers and train/eval modes, which the repr does not show), parameters and
+    inputs; a module with hooks (which neither shows) is not cached."""
     if any(m._forward_hooks or m._forward_pre_hooks for m in module.modules()):
         return _jacobian(module, params, x)
-    key = (repr(module), x.dtype, tuple(x.shape), x.numpy().tobytes(),
+    key = (repr(module), tuple(m.training for m in module.modules()),
+           tuple((k, b.detach().cpu().numpy().tobytes()) for k, b in module.named_buffers()),
+           x.dtype, tuple(x.shape), x.numpy().tobytes(),
            tuple((k, v.dtype, tuple(v.shape), v.detach().numpy().tobytes())
                  for k, v in params.items()))
     if key not in _JACOBIANS:

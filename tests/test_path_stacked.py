@@ -16,6 +16,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
+from _reference import by_content
 from numpy.testing import assert_allclose
 from torch.func import functional_call
 
@@ -54,7 +55,7 @@ def _reference(est, A, B=None, start=0, stop=None, output="trace"):
     K = 0.0
     for k, w in path_weights(traj, start, stop):
         params = {name: p.double() for name, p in net.params_at(k).items()}
-        ja, jb = _same_jacobian(net.module, params, A), _same_jacobian(net.module, params, B)
+        ja, jb = (by_content(_jacobian, net.module, params, Z) for Z in (A, B))
         D = traj.preconditioner(min(k, len(traj) - 2))
         D = torch.ones(ja.shape[2], dtype=torch.float64) if D is None else D.double()
         if output == "full":
@@ -265,30 +266,6 @@ def test_explain_ranks_the_margin_and_all_outputs_on_request():
         est.explain(Q, method="unrolled")
 
 
-# The autograd loop's Jacobians by the module, parameters and inputs they were taken at:
-# the references of a path's Gram, its cross Gram and their outputs, layouts and routes
-# (several tests of the same seeded path) take the same Jacobians, which are most of
-# their time. The key is the content, so a hit is the loop's Jacobian of exactly the
-# network and inputs asked for.
-_JACOBIANS = {}
-
-
-def _same_jacobian(module, params, x):
-    """:func:`_jacobian`, computed once per module (its repr: layers and activations;
-    its buffers and train/eval modes, which the repr does not show), parameters and
-    inputs; a module with hooks (which neither shows) is not cached."""
-    if any(m._forward_hooks or m._forward_pre_hooks for m in module.modules()):
-        return _jacobian(module, params, x)
-    key = (repr(module), tuple(m.training for m in module.modules()),
-           tuple((k, b.detach().cpu().numpy().tobytes()) for k, b in module.named_buffers()),
-           x.dtype, tuple(x.shape), x.numpy().tobytes(),
-           tuple((k, v.dtype, tuple(v.shape), v.detach().numpy().tobytes())
-                 for k, v in params.items()))
-    if key not in _JACOBIANS:
-        _JACOBIANS[key] = _jacobian(module, params, x)
-    return _JACOBIANS[key]
-
-
 def _module_reference(module, thetas, Ds, weights, A, B, outputs, full=False):
     """sum_k w_k J_k(A) D_k J_k(B)^T / C with the module's own autograd, point by point
     (``full``: the (n, m, C, C) blocks, not divided by C)."""
@@ -300,8 +277,8 @@ def _module_reference(module, thetas, Ds, weights, A, B, outputs, full=False):
         for name, shape in zip(names, shapes):
             params[name] = theta[s : s + shape.numel()].view(shape)
             s += shape.numel()
-        ja = _same_jacobian(module, params, A)[:, outputs]
-        jb = _same_jacobian(module, params, B)[:, outputs]
+        ja = by_content(_jacobian, module, params, A)[:, outputs]
+        jb = by_content(_jacobian, module, params, B)[:, outputs]
         if full:
             K = K + w * torch.einsum("ncp,p,mdp->nmcd", ja, D, jb)
         else:

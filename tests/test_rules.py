@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from _reference import jacobian_loop
+from _reference import by_content, jacobian_loop
 from torch import nn
 from torch.nn import functional as F
 
@@ -52,30 +52,11 @@ def _loop(module, params, X):
     return jacobian_loop(ref, X)
 
 
-# The loop's Jacobians of a case's inputs, computed once per process: the routes, outputs
-# and functions checked against them are several tests of the same module, parameters and
-# inputs (``_make`` is seeded), and the loop, not the code under test, is most of their
-# time. A hit is used only where the parameters and inputs equal those it was computed
-# at, so the reference stays the loop's Jacobian of exactly what the test passes.
-_LOOPS = {}
-
-
-def _cached_loop(key, module, params, X):
-    """``_loop(module, params, X)``, reused for the same ``key``, parameters and inputs."""
-    hit = _LOOPS.get(key)
-    if (hit is not None and hit[0].keys() == params.keys()
-            and all(torch.equal(hit[0][k], v) for k, v in params.items())
-            and torch.equal(hit[1], X)):
-        return hit[2]
-    J = _loop(module, params, X)
-    _LOOPS[key] = ({k: v.clone() for k, v in params.items()}, X.clone(), J)
-    return J
-
-
 def _case_loops(case, n_out, module, params, X, Y):
-    """The loop's ``(J(X), J(Y))`` of ``_make(case, n_out)``'s network and inputs."""
-    return (_cached_loop((case, n_out, "X"), module, params, X),
-            _cached_loop((case, n_out, "Y"), module, params, Y))
+    """The loop's ``(J(X), J(Y))`` of ``_make(case, n_out)``'s network and inputs, computed
+    once per process (the routes, outputs and functions of a case are several tests)."""
+    return (by_content(_loop, module, params, X, key=case),
+            by_content(_loop, module, params, Y, key=case))
 
 
 # ------------------------------------------------------------------------- networks
@@ -488,7 +469,7 @@ def test_preconditioned_and_cross_parameter_grams_match_loop(case, route, monkey
            torch.einsum("ncp,p,ndp->ncd", JX, D, JX))
     other = {k: v + 0.05 * torch.randn(v.shape, generator=gen, dtype=v.dtype)
              for k, v in params.items()}
-    JYo = _cached_loop((case, 2, "Y at other"), module, other, Y)
+    JYo = by_content(_loop, module, other, Y, key=case)
     _close(tangent_gram(module, params, X, Y, output="full", params_y=other),
            torch.einsum("ncp,mdp->ncmd", JX, JYo))
 
@@ -514,7 +495,7 @@ def test_batched_backprops_match_loop(case, batched_backprops):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_features_match_loop(case):
     module, params, X, _ = _make(case, 3)
-    J = _cached_loop((case, 3, "X"), module, params, X)
+    J = by_content(_loop, module, params, X, key=case)
     _close(tangent_features(module, params, X, output="full"), J)
     _close(tangent_features(module, params, X), J.reshape(len(J), -1) / math.sqrt(3))
     _close(tangent_features(module, params, X, output=2), J[:, 2])
@@ -563,7 +544,7 @@ def _projection_reference(module, params, X, J, k, seed, output):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_projection_matches_its_definition(case, output):
     module, params, X, _ = _make(case, 2)
-    J = _cached_loop((case, 2, "X"), module, params, X)
+    J = by_content(_loop, module, params, X, key=case)
     if isinstance(output, int):
         J = J[:, output : output + 1]
     got = project_tangent_features(module, params, X, 16, random_state=5, output=output)
